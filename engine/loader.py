@@ -1,0 +1,79 @@
+"""Find a checkpoint folder, read its config, stream its safetensors weights, load its tokenizer."""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.models import SUPPORTED_ARCHITECTURES
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model in (None, "", "default"):
+        from engine.default_model import default_model_dir
+
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"model {model!r} is not a local folder. Pass a folder with config.json, *.safetensors and tokenizer "
+            "files (nothing is downloaded), or model='default' for the bundled SmolLM2-135M-Instruct."
+        )
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"model folder {path} has no config.json")
+    return str(path)
+
+
+def load_hf_config(path: str) -> Any:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    archs = getattr(config, "architectures", None) or []
+    if not archs:
+        raise ValueError(f"{path}/config.json names no architectures; expected one of {SUPPORTED_ARCHITECTURES}")
+    if archs[0] not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"{path}: architecture {archs[0]!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return config
+
+
+def safetensors_files(path: str) -> list[Path]:
+    folder = Path(path)
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (folder / s).exists()]
+        if missing:
+            raise FileNotFoundError(f"{folder}: the index names shards that are missing: {', '.join(missing)}")
+        return [folder / s for s in shards]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{folder} holds no *.safetensors weights (only safetensors checkpoints load)")
+    return files
+
+
+def iter_weights(path: str, show_progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+    from tqdm import tqdm
+
+    files = safetensors_files(path)
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    names = [(h, k) for h in handles for k in h.keys()]
+    for handle, name in tqdm(names, desc="loading weights", unit="tensor", disable=not show_progress):
+        yield name, handle.get_tensor(name)
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise FileNotFoundError(
+            f"could not load a tokenizer from {path} ({e}); the folder needs tokenizer.json or the files of a "
+            "slow tokenizer, as saved by tokenizer.save_pretrained()"
+        ) from e

@@ -1,0 +1,152 @@
+"""ModelRunner: the only part of the engine that touches a device.
+
+It owns the weights and the KV pool (allocated once), turns a ScheduledBatch into one flattened forward
+pass (tokens of all sequences on one axis, K/V written through a slot mapping, attention through block
+tables), and samples the sequences that reached the end of their known tokens.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.loader import iter_weights
+from engine.models import get_model_class
+from engine.sampler import Sampler, SamplerOutput
+from engine.scheduler import ScheduledBatch
+from kernels import AttentionMetadata, select_ops
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError(f"device={device!r} was asked for but torch sees no CUDA device; use device='cpu'")
+    return torch.device(device)
+
+
+def cpu_has_native_bf16() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_path: str, hf_config: Any, eos_token_ids: list[int]) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.ops = select_ops(config.attention_backend, self.device.type)
+        self.block_size = config.block_size
+
+        model_cls = get_model_class(hf_config.architectures[0])
+        with torch.device("meta"):
+            model = model_cls(hf_config, self.ops, hf_config.max_position_embeddings)
+        model = model.to(self.dtype).to_empty(device=self.device)
+        model.load_weights(iter_weights(model_path, config.show_progress))
+        model.init_rope(self.device)
+        self.model = model.eval().requires_grad_(False)
+        spec = model.spec
+        self.vocab_size = spec.vocab_size
+        self.num_layers, self.num_kv_heads, self.head_dim = spec.num_layers, spec.num_kv_heads, spec.head_dim
+
+        self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_budget()
+        # (layers, K/V, blocks, block_size, kv_heads, head_dim): the one large allocation besides weights
+        self.kv_cache = torch.zeros(
+            self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+            dtype=self.dtype, device=self.device,
+        )
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+        self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
+        logger.info("model on %s in %s; KV pool %d blocks x %d tokens (%.1f MiB)", self.device, self.dtype,
+                    self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty(0, dtype=self.dtype).element_size()
+        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _blocks_from_budget(self) -> int:
+        if self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            budget = int(free * self.config.gpu_memory_utilization) - self._activation_bytes()
+        else:
+            budget = self.config.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = budget // self.bytes_per_block
+        if num_blocks < 1:
+            raise RuntimeError(
+                f"no memory left for the KV cache (budget {budget} bytes, one block needs {self.bytes_per_block}); "
+                "raise kv_cache_bytes / gpu_memory_utilization or lower max_num_batched_tokens"
+            )
+        return int(num_blocks)
+
+    def _activation_bytes(self) -> int:
+        """Rough peak of one forward at the full token budget, profiled on the device (CUDA only)."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        n = self.config.max_num_batched_tokens
+        hidden = torch.zeros(n, self.model.spec.hidden_size, dtype=self.dtype, device=self.device)
+        with torch.inference_mode():
+            mlp = self.model.model.layers[0].mlp
+            mlp(hidden)
+            self.model.compute_logits(hidden[: min(n, self.config.max_num_seqs)])
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        return int(peak * 2)
+
+    # ---- one step ----
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        seqs, query_lens = batch.seqs, batch.num_new_tokens
+        starts = [s.num_computed_tokens for s in seqs]
+        input_ids: list[int] = []
+        for seq, start, n in zip(seqs, starts, query_lens):
+            input_ids.extend(seq.token_ids[start : start + n])
+        seq_lens = [st + n for st, n in zip(starts, query_lens)]
+        max_blocks = max(len(s.block_ids) for s in seqs)
+        block_tables = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in seqs],
+                                    dtype=torch.int32)
+
+        qlens_t = torch.tensor(query_lens)
+        cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+        torch.cumsum(qlens_t, 0, out=cu[1:])
+        seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), qlens_t)  # (T,)
+        positions = torch.arange(len(input_ids)) - cu[:-1].long()[seq_idx] + torch.tensor(starts)[seq_idx]
+        bs = self.block_size
+        slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+        sample_rows = [i for i in range(len(seqs)) if batch.will_sample(i)]
+        logits_idx = (cu[1:] - 1).long()[sample_rows]
+
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slot_mapping.to(dev), query_start_loc=cu.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev), block_tables=block_tables.to(dev),
+            query_lens_host=list(query_lens), seq_lens_host=seq_lens,
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+        )
+        return torch.tensor(input_ids, device=dev), positions.to(dev), meta, logits_idx.to(dev)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput | None]:
+        """Run one step. Returns the batch rows that sampled and what they sampled."""
+        input_ids, positions, meta, logits_idx = self.prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        sample_rows = [i for i in range(len(batch.seqs)) if batch.will_sample(i)]
+        if not sample_rows:
+            return [], None
+        logits = self.model.compute_logits(hidden[logits_idx])
+        return sample_rows, self.sampler(logits, [batch.seqs[i] for i in sample_rows])

@@ -1,0 +1,149 @@
+"""Scheduler: which sequences run this step, and with how many tokens. Pure Python, no torch.
+
+The rules, all of them here:
+1. Iteration-level continuous batching. Every step has a token budget (max_num_batched_tokens) and a
+   sequence cap (max_num_seqs). A sequence's share of a step is how far its computed tokens lag its tokens:
+   1 for a decode, up to the whole remaining prompt for a prefill. Prefills are chunked by the budget, so
+   prefill chunks and decodes share one step.
+2. Running sequences go first, in admission order. When the pool cannot give one the blocks it needs, the
+   most recently admitted running sequence is preempted by recompute: its blocks are freed, its computed
+   count reset, and it goes back to the front of the waiting queue (its generated tokens are kept and
+   recomputed as if they were prompt). Preemptions are counted.
+3. Waiting sequences are admitted strictly first-come-first-served, and not at all in a step that
+   preempted. Admission takes any cached prefix (or, for samples 2..n of a request, the prompt blocks
+   sample 1 has computed) before asking the pool for fresh blocks.
+4. A request that can never fit is refused when it is added (see LLMEngine), never queued forever.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # per sequence, tokens computed this step
+    num_preempted: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def will_sample(self, i: int) -> bool:
+        """After this step sequence i has computed all its tokens, so its last logits give a new token."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions_total = 0
+
+    # ---- queue ----
+    def add(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def live_sequences(self) -> Iterator[Sequence]:
+        yield from self.running
+        yield from self.waiting
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a sequence, wherever it is, and give its blocks back at once."""
+        if seq.is_finished:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+
+    # ---- the step ----
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.max_num_batched_tokens
+        bm = self.block_manager
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_uncomputed_tokens, budget)
+            while not bm.allocate_slots(seq, num_new):
+                victim = self.running[-1]  # most recently admitted; never one already in this batch
+                self._preempt(victim)
+                batch.num_preempted += 1
+                if victim is seq:
+                    break
+            else:
+                batch.seqs.append(seq)
+                batch.num_new_tokens.append(num_new)
+                budget -= num_new
+                i += 1
+                continue
+            break  # seq preempted itself: nothing after it is left running
+
+        if batch.num_preempted:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            prefix = self._admission_prefix(seq)
+            if prefix is None:
+                break  # sample 1 of its request has not computed the shared prompt yet
+            num_new = min(seq.num_tokens - len(prefix) * bm.block_size, budget)
+            if not bm.admit(seq, prefix, num_new):
+                break  # FCFS: nobody overtakes the head of the queue
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(num_new)
+            budget -= num_new
+        return batch
+
+    def _admission_prefix(self, seq: Sequence) -> list[int] | None:
+        parent = seq.parent
+        if parent is not None and not parent.is_finished:
+            if parent.status is not SequenceStatus.RUNNING or not parent.is_prompt_computed:
+                return None
+            bs = self.block_manager.block_size
+            num_shared = min(parent.num_computed_tokens // bs, (seq.num_prompt_tokens - 1) // bs)
+            shared = parent.block_ids[:num_shared]
+            cached = self.block_manager.find_cached_prefix(seq)
+            return cached if len(cached) > len(shared) else shared
+        return self.block_manager.find_cached_prefix(seq)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions_total += 1
+        self.waiting.appendleft(seq)

@@ -1,0 +1,31 @@
+"""AttentionMetadata: what attention needs to know about one step's flattened batch.
+
+Built once per step by the model runner and passed explicitly to every attention call (no module globals).
+Tokens of all scheduled sequences are flattened into one axis T; sequence b owns tokens
+query_start_loc[b]:query_start_loc[b+1], the last of which sits at position seq_lens[b] - 1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # (T,) int64: cache slot (block_id * block_size + offset) of each new token
+    query_start_loc: torch.Tensor  # (B + 1,) int32: prefix sums of query lengths
+    seq_lens: torch.Tensor  # (B,) int32: context length of each sequence after this step
+    block_tables: torch.Tensor  # (B, max_blocks) int32: block ids, padded with 0
+    query_lens_host: list[int]  # the same facts on the host, so references need no device sync
+    seq_lens_host: list[int]
+    max_query_len: int
+    max_seq_len: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.max_query_len == 1
