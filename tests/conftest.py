@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny random HF checkpoints (fixed seed) saved as real safetensors folders, with the
+default model's real tokenizer beside them, so the engine loads them exactly as it loads a real model."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from engine.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+def _hf_config(arch: str, **overrides):
+    import transformers
+
+    base = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
+                initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    if arch == "mistral":
+        base["sliding_window"] = None
+    base.update(overrides)
+    return cls(**base)
+
+
+@pytest.fixture(scope="session")
+def make_tiny_model(tmp_path_factory, default_model_path):
+    """make_tiny_model(arch, **config overrides) -> path of a saved random-init checkpoint (cached per args)."""
+    cache: dict[tuple, str] = {}
+
+    def make(arch: str, **overrides) -> str:
+        key = (arch, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key in cache:
+            return cache[key]
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        config = _hf_config(arch, **overrides)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        out = tmp_path_factory.mktemp(f"tiny-{arch}")
+        model.save_pretrained(out)
+        for name in TOKENIZER_FILES:
+            src = Path(default_model_path) / name
+            if src.exists():
+                shutil.copy(src, out / name)
+        cache[key] = str(out)
+        return cache[key]
+
+    return make

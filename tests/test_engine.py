@@ -1,0 +1,215 @@
+"""The offline engine as users call it: sampling controls, stops, n > 1, validation, cleanup."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(make_tiny_model):
+    return LLM(model=make_tiny_model("llama"), dtype="float32", device="cpu", num_kv_blocks=128,
+               max_model_len=512, show_progress=False)
+
+
+def prompts(k=4, seed=3):
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 49152) for _ in range(rng.randrange(4, 30))] for _ in range(k)]
+
+
+def assert_all_free(llm):
+    stats = llm.engine.stats()
+    assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
+    llm.engine.block_manager.check_invariants([])
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    p = prompts(1)[0]
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([p], seeded)[0].outputs[0].token_ids
+    others = prompts(5, seed=9)
+    mixed = llm.generate(others[:2] + [p] + others[2:],
+                         [SamplingParams(temperature=0.8, max_tokens=7, ignore_eos=True)] * 2 + [seeded]
+                         + [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)] * 3)
+    assert mixed[2].outputs[0].token_ids == alone
+    other_seed = llm.generate([p], SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=12,
+                                                  ignore_eos=True))[0].outputs[0].token_ids
+    assert other_seed != alone
+    assert_all_free(llm)
+
+
+def test_top_k_1_equals_greedy(llm):
+    ps = prompts(3)
+    greedy = [o.outputs[0].token_ids for o in llm.generate(ps, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]
+    top1 = [o.outputs[0].token_ids for o in llm.generate(ps, SamplingParams(temperature=1.5, top_k=1, max_tokens=10, ignore_eos=True))]
+    assert top1 == greedy
+
+
+def test_unseeded_sampling_varies(llm):
+    p = prompts(1)[0]
+    outs = {tuple(llm.generate([p], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True))[0].outputs[0].token_ids)
+            for _ in range(3)}
+    assert len(outs) > 1
+
+
+def test_stop_token_ids_end_output_including_the_stop_token(llm):
+    p = prompts(1)[0]
+    full = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    stop_tok = full.token_ids[4]
+    first = full.token_ids.index(stop_tok)
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                                           stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.token_ids == full.token_ids[: first + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+
+
+def test_stop_string_cuts_text_before_it(llm):
+    p = prompts(1, seed=5)[0]
+    full = llm.generate([p], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))[0].outputs[0]
+    text = full.text
+    assert len(text) > 10
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.index(stop)]
+    assert stop not in out.text
+    assert len(out.token_ids) < len(full.token_ids)
+
+
+def test_eos_stops_unless_ignored(llm):
+    p = prompts(1)[0]
+    full = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    eos = full.token_ids[3]
+    llm.engine.eos_token_ids.append(eos)
+    try:
+        out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+        assert out.token_ids == full.token_ids[: full.token_ids.index(eos) + 1] and out.finish_reason == "stop"
+        kept = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, min_tokens=12))[0].outputs[0]
+        assert len(kept.token_ids) == 12 and eos not in kept.token_ids and kept.finish_reason == "length"
+    finally:
+        llm.engine.eos_token_ids.remove(eos)
+
+
+def test_n_samples_share_prompt_blocks(llm):
+    p = prompts(1)[0] + list(range(100, 140))  # > 2 full blocks
+    engine = llm.engine
+    engine.add_request("share", p, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))
+    seqs = engine.requests["share"].seqs
+    outputs = []
+    while engine.has_unfinished_requests():
+        if all(s.block_ids for s in seqs):
+            shared = len(p) // 16 - (1 if len(p) % 16 == 0 else 0)
+            assert seqs[0].block_ids[:shared] == seqs[1].block_ids[:shared] == seqs[2].block_ids[:shared]
+            assert all(engine.block_manager.ref_counts[b] >= 3 for b in seqs[0].block_ids[:shared])
+            break
+        outputs += engine.step()
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    final = [o for o in outputs if o.finished][0]
+    assert len(final.outputs) == 3 and [c.index for c in final.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 6 for c in final.outputs)
+    assert len({tuple(c.token_ids) for c in final.outputs}) > 1  # independent samples
+    assert_all_free(llm)
+
+
+def test_logprobs(llm):
+    p = prompts(1)[0]
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3))[0].outputs[0]
+    assert len(out.logprobs) == 5
+    for tok, entry in zip(out.token_ids, out.logprobs):
+        assert entry[tok].rank == 1  # greedy picks the top token
+        assert len(entry) == 3
+        assert all(lp.logprob <= 0 for lp in entry.values())
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)))
+
+
+def test_penalties_change_output_and_stay_valid(llm):
+    p = prompts(1)[0]
+    rep = llm.generate([p], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True,
+                                           repetition_penalty=50.0))[0].outputs[0].token_ids
+    assert len(set(rep)) == len(rep)  # a huge penalty forbids repeats of prompt or output tokens
+    assert not set(rep) & set(p)
+
+
+def test_results_in_input_order_and_prompt_forms(llm):
+    tok = llm.get_tokenizer()
+    text = "The quick brown fox"
+    outs = llm.generate([text, {"prompt_token_ids": tok.encode(text)}, {"prompt": text}],
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert outs[0].prompt == text and outs[0].prompt_token_ids == tok.encode(text)
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids == outs[2].outputs[0].token_ids
+    single = llm.generate(tok.encode(text), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(single) == 1 and single[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5), ("top_k", -5), ("min_p", 2.0), ("n", 0),
+    ("max_tokens", 0), ("repetition_penalty", 0.0), ("presence_penalty", 3.0), ("frequency_penalty", -3.0),
+    ("logprobs", 50), ("min_tokens", -1),
+])
+def test_invalid_sampling_params_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_requests_that_can_never_fit_are_refused_at_once(llm):
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[5] * 600], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="max_tokens"):
+        llm.generate([[5] * 10], SamplingParams(max_tokens=510))
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[10**9]], SamplingParams(max_tokens=1))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams(max_tokens=1))
+    assert_all_free(llm)
+
+
+def test_max_tokens_none_runs_to_max_model_len(make_tiny_model):
+    llm = LLM(model=make_tiny_model("llama"), dtype="float32", device="cpu", num_kv_blocks=8, max_model_len=40,
+              show_progress=False)
+    out = llm.generate([[5] * 30], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+
+
+def test_max_model_len_larger_than_pool_is_a_clear_error(make_tiny_model):
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(model=make_tiny_model("llama"), device="cpu", num_kv_blocks=2, max_model_len=100, show_progress=False)
+
+
+def test_missing_files_and_unsupported_architecture(tmp_path, make_tiny_model):
+    import json
+    import shutil
+
+    with pytest.raises(FileNotFoundError, match="not a local folder"):
+        LLM(model=str(tmp_path / "nope"), show_progress=False)
+    src = make_tiny_model("llama")
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="not supported"):
+        LLM(model=str(bad), show_progress=False)
+    noweights = tmp_path / "noweights"
+    shutil.copytree(src, noweights)
+    (noweights / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        LLM(model=str(noweights), show_progress=False)
+
+
+def test_failed_step_fails_only_its_requests_and_frees_blocks(llm, monkeypatch):
+    engine = llm.engine
+    engine.add_request("boom", prompts(1)[0], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    real = engine.runner.execute
+
+    def broken(batch):
+        raise RuntimeError("injected fault")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    outs = engine.step()
+    assert outs and outs[0].request_id == "boom" and "injected fault" in outs[0].error
+    monkeypatch.setattr(engine.runner, "execute", real)
+    assert_all_free(llm)
+    assert llm.generate(prompts(1), SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids

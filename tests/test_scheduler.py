@@ -1,0 +1,154 @@
+"""Scheduler rules, step by step with exact numbers, and a hypothesis-driven fuzz of add/step/abort that
+checks the block invariants after every operation. A fake model appends tokens; no torch."""
+from __future__ import annotations
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.block_manager import BlockManager
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence, SequenceStatus
+
+
+def make(num_blocks=8, block_size=4, max_seqs=8, budget=16, caching=True):
+    bm = BlockManager(num_blocks, block_size, caching)
+    return bm, Scheduler(bm, max_seqs, budget)
+
+
+def new_seq(rid, n_prompt, max_tokens=4, n=1, first_token=0):
+    p = SamplingParams(max_tokens=max_tokens, n=n)
+    seqs = [Sequence(rid, j, list(range(first_token, first_token + n_prompt)), p) for j in range(n)]
+    for s in seqs[1:]:
+        s.parent = seqs[0]
+    return seqs
+
+
+def run_step(sch: Scheduler, next_token=7):
+    """What LLMEngine does after the model: computed counts catch up, samplers append, full ones finish."""
+    batch = sch.schedule()
+    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+        sample = batch.will_sample(i)
+        seq.num_computed_tokens += n
+        sch.block_manager.register_full_blocks(seq)
+        if sample:
+            seq.token_ids.append(next_token)
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sch.finish(seq, "length")
+    return batch
+
+
+def test_chunked_prefill_mixes_with_decode():
+    bm, sch = make(num_blocks=16, budget=8)
+    (a,) = new_seq("a", 3)
+    (b,) = new_seq("b", 20)
+    sch.add(a)
+    sch.add(b)
+    batch = run_step(sch)
+    assert [s.request_id for s in batch.seqs] == ["a", "b"] and batch.num_new_tokens == [3, 5]
+    batch = run_step(sch)  # a decodes one token, b's prefill continues with the rest of the budget
+    assert batch.num_new_tokens == [1, 7]
+    assert b.num_computed_tokens == 12 and not batch.will_sample(1)
+
+
+def test_fcfs_head_blocks_queue():
+    bm, sch = make(num_blocks=4, block_size=4, budget=64)
+    (a,) = new_seq("a", 12)  # 3 blocks
+    (b,) = new_seq("b", 8)  # 2 blocks: does not fit after a
+    (c,) = new_seq("c", 2)  # 1 block: would fit, but must not overtake b
+    for s in (a, b, c):
+        sch.add(s)
+    batch = sch.schedule()
+    assert [s.request_id for s in batch.seqs] == ["a"]
+    assert list(sch.waiting) == [b, c]
+
+
+def test_preempts_most_recent_and_requeues_it_first():
+    bm, sch = make(num_blocks=3, block_size=4, budget=64)
+    (a,) = new_seq("a", 4, max_tokens=8)
+    (b,) = new_seq("b", 4, max_tokens=8)
+    sch.add(a)
+    sch.add(b)
+    run_step(sch)  # each holds 1 full block and has sampled 1 token
+    assert bm.num_free_blocks == 1
+    run_step(sch)  # a takes the last block for token 5; b needs one too: b is preempted
+    assert sch.num_preemptions_total == 1
+    assert b.status is SequenceStatus.WAITING and sch.waiting[0] is b and b.block_ids == []
+    assert b.num_computed_tokens == 0 and b.num_output_tokens == 1  # its token is kept and recomputed
+    bm.check_invariants(sch.live_sequences())
+
+
+def test_siblings_share_prompt_blocks_after_leader_prefill():
+    bm, sch = make(num_blocks=16, block_size=4, budget=64)
+    seqs = new_seq("r", 10, n=3)
+    for s in seqs:
+        sch.add(s)
+    run_step(sch)
+    assert seqs[0].status is SequenceStatus.RUNNING
+    assert seqs[1].status is SequenceStatus.WAITING  # waits for the leader's prompt
+    run_step(sch)
+    assert all(s.status is SequenceStatus.RUNNING for s in seqs)
+    assert seqs[1].block_ids[:2] == seqs[0].block_ids[:2] == seqs[2].block_ids[:2]
+    assert bm.ref_counts[seqs[0].block_ids[0]] == 3
+    assert seqs[1].num_cached_tokens == 8
+    bm.check_invariants(sch.live_sequences())
+
+
+def test_abort_frees_at_once_from_either_queue():
+    bm, sch = make(num_blocks=4, block_size=4, budget=64)
+    (a,) = new_seq("a", 8)
+    (b,) = new_seq("b", 12)
+    sch.add(a)
+    sch.add(b)
+    run_step(sch)
+    assert bm.num_free_blocks == 2 and b in sch.waiting  # b needs 3 blocks
+    sch.finish(a, "abort")
+    sch.finish(b, "abort")
+    assert bm.num_free_blocks == 4 and not sch.has_unfinished
+    bm.check_invariants([])
+
+
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(1, 40), st.integers(1, 12), st.integers(1, 3), st.integers(0, 3)),
+        st.tuples(st.just("step")),
+        st.tuples(st.just("abort"), st.integers(0, 50)),
+    ),
+    min_size=1, max_size=80,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=ops, num_blocks=st.integers(11, 24), block_size=st.sampled_from([2, 4, 8]),
+       budget=st.integers(1, 48), max_seqs=st.integers(1, 6), caching=st.booleans())
+def test_fuzz_invariants(ops, num_blocks, block_size, budget, max_seqs, caching):
+    bm, sch = make(num_blocks, block_size, max_seqs, budget, caching)
+    capacity = num_blocks * block_size
+    added: list[Sequence] = []
+    for op in ops:
+        if op[0] == "add":
+            _, n_prompt, max_tokens, n, prefix_family = op
+            if n_prompt + max_tokens > capacity:  # what LLMEngine refuses up front
+                continue
+            group = new_seq(f"r{len(added)}", n_prompt, max_tokens, n, first_token=prefix_family * 1000)
+            for s in group:
+                sch.add(s)
+            added.extend(group)
+        elif op[0] == "step":
+            run_step(sch, next_token=len(added))
+        else:
+            if added:
+                victim = added[op[1] % len(added)]
+                for s in [x for x in added if x.request_id == victim.request_id]:
+                    sch.finish(s, "abort")
+        bm.check_invariants(list(sch.live_sequences()))
+        assert bm.num_free_blocks + bm.num_used_blocks == bm.num_total_blocks
+        assert all(r >= 0 for r in bm.ref_counts)
+    for _ in range(2000):  # drain: everything that was not aborted must finish
+        if not sch.has_unfinished:
+            break
+        run_step(sch)
+    assert not sch.has_unfinished, "requests were left waiting forever"
+    assert bm.num_free_blocks == bm.num_total_blocks
+    assert all(r == 0 for r in bm.ref_counts)
+    bm.check_invariants([])
