@@ -1,0 +1,162 @@
+"""EngineServer: the Ray Serve deployment whose replicas each own one engine (AsyncLLM).
+
+It speaks plain dicts over the handle: `generate(payload)` streams {"type": "output", ...} items as the
+engine produces tokens, or a single {"type": "error", ...} item for a request the engine refuses. It also
+reports its KV stats for /metrics (and, in the autoscaling issue, to Ray Serve's autoscaler and router).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from engine.async_llm import AsyncLLM
+from engine.llm import apply_chat_template
+from engine.sampling_params import SamplingParams
+from serve_app.config import ServeConfig
+from serve_app.metrics import E2E_BUCKETS, ITL_BUCKETS, REPORT_INTERVAL_S, TTFT_BUCKETS, Histogram, get_board
+from serve_app.protocol import APIError
+
+logger = logging.getLogger("ray.serve")
+
+
+class EngineServer:
+    def __init__(self, config: ServeConfig | dict) -> None:
+        self.config = config if isinstance(config, ServeConfig) else ServeConfig(**config)
+        if self.config.torch_threads:
+            import torch
+
+            torch.set_num_threads(self.config.torch_threads)
+        self.llm = AsyncLLM(self.config.to_engine_config())
+        self.tokenizer = self.llm.get_tokenizer()
+        self.replica_id, self.app_name = _replica_identity()
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.e2e = Histogram(E2E_BUCKETS)
+        self.finished: dict[str, int] = {}
+        self._board = None
+        self._stopped = threading.Event()
+        self._reporter = threading.Thread(target=self._report_loop, name="kvscale-stats", daemon=True)
+        self._reporter.start()
+
+    # ---- requests ----
+    def _prepare(self, payload: dict[str, Any]) -> tuple[Any, SamplingParams]:
+        try:
+            params = SamplingParams(**payload["sampling"])
+        except (ValueError, TypeError) as e:
+            raise APIError(400, str(e), param=_field_in(str(e))) from e
+        if params.n > self.config.max_n:
+            raise APIError(400, f"n must be <= {self.config.max_n}; got {params.n}", param="n")
+        if payload["kind"] == "chat":
+            try:
+                prompt: Any = {"prompt_token_ids": apply_chat_template(
+                    self.tokenizer, payload["messages"], payload.get("add_generation_prompt", True))}
+            except Exception as e:  # a template that rejects these messages is the caller's error
+                raise APIError(400, f"the chat template could not render these messages: {e}",
+                               param="messages") from e
+        else:
+            prompt = payload["prompt"]
+        return prompt, params
+
+    async def generate(self, payload: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        start = time.monotonic()
+        request_id = payload.get("request_id") or uuid.uuid4().hex
+        try:
+            prompt, params = self._prepare(payload)
+            if self.llm.stats().num_waiting >= self.config.max_waiting_requests:
+                raise APIError(503, "this replica's queue is full; retry shortly", code="queue_full", retry_after=1)
+        except APIError as e:
+            yield {"type": "error", **e.to_dict()}
+            return
+        want_logprobs = params.logprobs is not None
+        last, first_seen = start, False
+        try:
+            async for out in self.llm.generate(prompt, params, request_id):
+                now = time.monotonic()
+                n_new = sum(len(c.token_ids_delta) for c in out.outputs)
+                if n_new and not first_seen:
+                    self.ttft.observe(now - start)
+                    first_seen = True
+                elif n_new:
+                    self.itl.observe((now - last) / n_new, n_new)
+                last = now
+                yield {
+                    "type": "output", "finished": out.finished, "prompt_tokens": len(out.prompt_token_ids),
+                    "choices": [{
+                        "index": c.index, "text": c.text_delta, "token_ids": c.token_ids_delta,
+                        "finish_reason": c.finish_reason, "num_tokens": len(c.token_ids),
+                        "logprobs": self._logprobs(c, len(c.token_ids_delta), params.logprobs) if want_logprobs else None,
+                    } for c in out.outputs if c.token_ids_delta or c.text_delta or c.finish_reason],
+                }
+                if out.finished:
+                    for c in out.outputs:
+                        self.finished[c.finish_reason] = self.finished.get(c.finish_reason, 0) + 1
+                    self.e2e.observe(now - start)
+        except ValueError as e:
+            yield {"type": "error", **APIError(400, str(e), param=_field_in(str(e))).to_dict()}
+        except RuntimeError as e:
+            yield {"type": "error", **APIError(500, str(e), code="engine_error").to_dict()}
+
+    @staticmethod
+    def _logprobs(c, n_new: int, top_k: int) -> list[dict[str, Any]]:
+        entries = c.logprobs[len(c.logprobs) - n_new:] if n_new else []
+        return [{
+            "token_id": tid, "token": entry[tid].decoded_token, "logprob": entry[tid].logprob,
+            "top": [(lp.decoded_token, lp.logprob) for lp in sorted(entry.values(), key=lambda lp: lp.rank)
+                    if lp.rank <= top_k],
+        } for tid, entry in zip(c.token_ids_delta, entries)]
+
+    # ---- stats ----
+    def stats(self) -> dict[str, Any]:
+        s = self.llm.stats()
+        used = s.num_total_blocks - s.num_free_blocks
+        return {
+            "gauges": {"kv_cache_usage_perc": used / s.num_total_blocks, "num_total_blocks": s.num_total_blocks,
+                       "num_free_blocks": s.num_free_blocks, "num_cached_blocks": s.num_cached_free_blocks,
+                       "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting},
+            "counters": {"num_preemptions": s.num_preemptions_total, "prompt_tokens": s.num_prompt_tokens_total,
+                         "generation_tokens": s.num_generation_tokens_total,
+                         "prefix_cache_queries": s.prefix_cache_queried_tokens,
+                         "prefix_cache_hits": s.prefix_cache_hit_tokens},
+            "histograms": {"time_to_first_token_seconds": self.ttft.snapshot(),
+                           "inter_token_latency_seconds": self.itl.snapshot(),
+                           "e2e_request_latency_seconds": self.e2e.snapshot()},
+            "finished": dict(self.finished),
+            "block_size": s.block_size, "max_model_len": self.llm.max_model_len,
+        }
+
+    def check_health(self) -> None:
+        if not self.llm._thread.is_alive():
+            raise RuntimeError("the engine loop thread died")
+
+    def _report_loop(self) -> None:
+        while not self._stopped.wait(REPORT_INTERVAL_S):
+            try:
+                if self._board is None:
+                    self._board = get_board(self.app_name)
+                self._board.put.remote(self.replica_id, self.stats())
+            except Exception:  # metrics must never take the replica down
+                logger.warning("kvscale: could not report stats to the board", exc_info=True)
+                self._board = None
+
+    def __del__(self) -> None:
+        self._stopped.set()
+        self.llm.shutdown()
+
+
+def _replica_identity() -> tuple[str, str]:
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        return ctx.replica_id.unique_id, ctx.app_name
+    except Exception:  # outside a replica (unit tests)
+        return "local", "local"
+
+
+def _field_in(message: str) -> str | None:
+    first = message.split(" ", 1)[0]
+    return first if first.isidentifier() else None
