@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up, then run the Ray Serve app locally on the default model (http://localhost:8000). Ctrl-C stops it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+. .venv/bin/activate
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec serve run serve_app/config.yaml "$@"
