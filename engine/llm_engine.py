@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         self.num_prompt_tokens_total = 0
         self.num_generation_tokens_total = 0
+        self.recent_output_lens: deque[int] = deque(maxlen=256)  # of finished sequences, for demand estimates
 
     def _eos_token_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -190,6 +192,7 @@ class LLMEngine:
                 self._record_logprobs(seq, token, sampled.logprobs, k)
             reason = self._check_stop(seq, token)
             if reason is not None:
+                self.recent_output_lens.append(seq.num_output_tokens)
                 self.scheduler.finish(seq, reason)
                 self.runner.sampler.forget(seq.seq_id)
             state = self.requests[seq.request_id]
@@ -273,6 +276,21 @@ class LLMEngine:
             num_generation_tokens_total=self.num_generation_tokens_total,
             prefix_cache_queried_tokens=bm.num_prefix_queried_tokens, prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
         )
+
+    def projected_demand_blocks(self) -> int:
+        """Blocks the live sequences will hold at their end, not just now.
+
+        A sequence's output length is estimated as the 90th percentile of recently finished ones (its own
+        max_tokens until 16 have finished), never below what it has already generated, never above max_tokens.
+        """
+        recent = sorted(self.recent_output_lens)
+        p90 = recent[int(0.9 * (len(recent) - 1))] if len(recent) >= 16 else None
+        bs, total = self.config.block_size, 0
+        for seq in self.scheduler.live_sequences():
+            max_out = seq.params.max_tokens
+            expected_out = max_out if p90 is None else min(max_out, max(p90, seq.num_output_tokens + 1))
+            total += -(-(seq.num_prompt_tokens + expected_out) // bs)
+        return total
 
     def live_sequences(self) -> Iterable[Sequence]:
         return self.scheduler.live_sequences()

@@ -34,8 +34,8 @@ class ServeConfig(BaseModel):
     # ---- API ----
     api_key: str | None = Field(None, description="If set, every /v1 route needs `Authorization: Bearer <key>`.")
     max_request_body_bytes: int = Field(4 << 20, description="Larger request bodies get 413.")
-    max_waiting_requests: int = Field(512, description="A replica with this many requests waiting for KV answers "
-                                                       "503 with Retry-After instead of queueing more.")
+    max_waiting_requests: int = Field(512, description="A replica with this many requests not yet at their first "
+                                                       "token answers 503 with Retry-After instead of queueing more.")
     max_prompts_per_request: int = Field(64, description="Most prompts in one /v1/completions list.")
     max_n: int = Field(16, description="Largest `n` a request may ask for.")
 
@@ -43,6 +43,10 @@ class ServeConfig(BaseModel):
     num_replicas: int | None = Field(1, description="Fixed engine replicas; None: autoscale between the limits.")
     min_replicas: int = Field(1, description="Autoscaling lower bound (0 allowed: cold starts on first request).")
     max_replicas: int = Field(4, description="Autoscaling upper bound.")
+    kv_target_utilization: float = Field(0.75, gt=0.0, le=1.0, description="Autoscaling aims for projected KV "
+                                                                            "demand at this fraction of capacity.")
+    downscale_quiet_s: float = Field(30.0, ge=0.0, description="Scale down only after this long without KV "
+                                                               "pressure (waiting requests, preemptions).")
     engine_num_cpus: float = Field(1.0, description="CPUs Ray reserves for each engine replica.")
     engine_num_gpus: float = Field(0.0, description="GPUs Ray reserves for each engine replica.")
     ingress_num_cpus: float = Field(0.0, description="CPUs Ray reserves for the HTTP ingress.")

@@ -37,6 +37,8 @@ class EngineServer:
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
         self.finished: dict[str, int] = {}
+        self._preemptions_reported = 0
+        self._num_unstarted = 0  # requests in generate() that have not had their first token yet
         self._board = None
         self._stopped = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, name="kvscale-stats", daemon=True)
@@ -66,13 +68,16 @@ class EngineServer:
         request_id = payload.get("request_id") or uuid.uuid4().hex
         try:
             prompt, params = self._prepare(payload)
-            if self.llm.stats().num_waiting >= self.config.max_waiting_requests:
-                raise APIError(503, "this replica's queue is full; retry shortly", code="queue_full", retry_after=1)
+            # Counted here, synchronously, so a burst cannot all slip in before the engine thread sees it.
+            if self._num_unstarted >= self.config.max_waiting_requests:
+                raise APIError(503, f"this replica already has {self._num_unstarted} requests waiting for their "
+                                    "first token; retry shortly", code="queue_full", retry_after=1)
         except APIError as e:
             yield {"type": "error", **e.to_dict()}
             return
         want_logprobs = params.logprobs is not None
         last, first_seen = start, False
+        self._num_unstarted += 1
         try:
             async for out in self.llm.generate(prompt, params, request_id):
                 now = time.monotonic()
@@ -80,6 +85,7 @@ class EngineServer:
                 if n_new and not first_seen:
                     self.ttft.observe(now - start)
                     first_seen = True
+                    self._num_unstarted -= 1
                 elif n_new:
                     self.itl.observe((now - last) / n_new, n_new)
                 last = now
@@ -99,6 +105,9 @@ class EngineServer:
             yield {"type": "error", **APIError(400, str(e), param=_field_in(str(e))).to_dict()}
         except RuntimeError as e:
             yield {"type": "error", **APIError(500, str(e), code="engine_error").to_dict()}
+        finally:
+            if not first_seen:
+                self._num_unstarted -= 1
 
     @staticmethod
     def _logprobs(c, n_new: int, top_k: int) -> list[dict[str, Any]]:
@@ -127,6 +136,16 @@ class EngineServer:
             "finished": dict(self.finished),
             "block_size": s.block_size, "max_model_len": self.llm.max_model_len,
         }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Ray Serve's custom-metrics hook: what serve_app.autoscaling's policy reads. Plain floats only."""
+        s = self.llm.stats()
+        preempted = s.num_preemptions_total - self._preemptions_reported
+        self._preemptions_reported = s.num_preemptions_total
+        return {"kv_total_blocks": float(s.num_total_blocks), "kv_free_blocks": float(s.num_free_blocks),
+                "kv_used_blocks": float(s.num_used_blocks),
+                "kv_demand_blocks": float(self.llm.engine.projected_demand_blocks()),
+                "num_waiting": float(s.num_waiting), "preemptions": float(preempted)}
 
     def check_health(self) -> None:
         if not self.llm._thread.is_alive():
