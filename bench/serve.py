@@ -1,0 +1,225 @@
+"""bench/serve.py: replay a slice of the Azure LLM inference trace (Patel et al., Splitwise, ISCA 2024;
+CC-BY 4.0) against OpenAI-compatible servers, open loop, and report throughput, TTFT and ITL.
+
+Arrival times are the trace's, divided by --speedup; context and generated token counts are the trace's,
+capped by --max-context / --max-output so the run fits a small machine. Prompts are random token ids of
+the given length, decoded to text with the default model's tokenizer (the same prompts for every system).
+
+  python bench/serve.py --url ours=http://127.0.0.1:8000          # one running server
+  python bench/serve.py --compare                                  # starts ours, then transformers serve
+
+The peer (`transformers serve --continuous-batching`) needs `pip install accelerate==1.15.0` beside our env
+(torch 2.13.0 already satisfies it, so no other torch is pulled).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TRACE_DIR = ROOT.parent / "shared" / "data" / "azure-llm-2023"
+
+
+def load_trace(kind: str, n: int, offset: int, speedup: float, max_context: int, max_output: int):
+    path = TRACE_DIR / f"AzureLLMInferenceTrace_{kind}.csv"
+    if not path.exists():
+        sys.exit(f"trace not found at {path}: this benchmark reads ../shared/data/azure-llm-2023")
+    rows = list(csv.DictReader(path.open()))[offset : offset + n]
+    t0 = _ts(rows[0]["TIMESTAMP"])
+    return [((_ts(r["TIMESTAMP"]) - t0) / speedup, min(int(r["ContextTokens"]), max_context),
+             max(1, min(int(r["GeneratedTokens"]), max_output))) for r in rows]
+
+
+def _ts(s: str) -> float:
+    day, frac = s.split(".") if "." in s else (s, "0")
+    return datetime.fromisoformat(day).timestamp() + float("0." + frac)
+
+
+def make_prompts(trace, seed: int = 0) -> list[str]:
+    from transformers import AutoTokenizer
+
+    from engine.default_model import default_model_dir
+
+    tok = AutoTokenizer.from_pretrained(default_model_dir())
+    rng = random.Random(seed)
+    return [tok.decode([rng.randrange(1000, 40000) for _ in range(ctx)]) for _, ctx, _ in trace]
+
+
+async def one_request(client, url, model, prompt, max_tokens, delay, result):
+    await asyncio.sleep(delay)
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    sent = time.perf_counter()
+    times, usage = [], None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                result.append({"ok": False, "status": r.status_code})
+                return
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[6:])
+                if event.get("usage"):
+                    usage = event["usage"]
+                if any(c.get("text") for c in event.get("choices") or []):
+                    times.append(time.perf_counter())
+    except httpx.HTTPError as e:
+        result.append({"ok": False, "status": repr(e)})
+        return
+    tokens = usage["completion_tokens"] if usage else len(times)
+    result.append({"ok": bool(times), "sent": sent, "times": times, "tokens": tokens})
+
+
+async def _model_id(client, url: str) -> str:
+    r = await client.get(f"{url}/v1/models")
+    if r.status_code == 200 and r.json().get("data"):
+        return r.json()["data"][0]["id"]
+    from engine.default_model import default_model_dir
+
+    return default_model_dir()  # transformers serve: the preloaded model is named by its path
+
+
+async def run_load(url: str, trace, prompts) -> dict:
+    async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=512)) as client:
+        model = await _model_id(client, url)
+        results: list[dict] = []
+        start = time.perf_counter()
+        await asyncio.gather(*(one_request(client, url, model, p, out, arrival, results)
+                               for (arrival, _, out), p in zip(trace, prompts)))
+        makespan = time.perf_counter() - start
+    ok = [r for r in results if r["ok"]]
+    ttft = [r["times"][0] - r["sent"] for r in ok]
+    itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
+    tokens = sum(r["tokens"] for r in ok)
+    return {"requests": len(results), "failed": len(results) - len(ok), "tokens": tokens, "makespan_s": makespan,
+            "tok_s": tokens / makespan, "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
+            "itl_p50": _pct(itl, 50), "itl_p99": _pct(itl, 99)}
+
+
+def _pct(xs, q):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def machine_ceilings() -> str:
+    import torch
+
+    a = torch.empty(64 << 20, dtype=torch.float32)  # 256 MiB
+    b = torch.empty_like(a)
+    b.copy_(a)
+    t = time.perf_counter()
+    for _ in range(5):
+        b.copy_(a)
+    bw = 5 * 2 * a.numel() * 4 / (time.perf_counter() - t) / 1e9
+    x, w = torch.randn(256, 576, dtype=torch.bfloat16), torch.randn(1536, 576, dtype=torch.bfloat16)
+    x @ w.T
+    t = time.perf_counter()
+    for _ in range(20):
+        x @ w.T
+    flops = 20 * 2 * 256 * 576 * 1536 / (time.perf_counter() - t) / 1e9
+    return (f"machine: {os.cpu_count()} cores, copy bandwidth {bw:.1f} GB/s, "
+            f"bf16 matmul {flops:.0f} GFLOP/s at the default model's MLP shape (256x576x1536)")
+
+
+def wait_up(url: str, proc, timeout: float = 300) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"server for {url} exited early with code {proc.returncode}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    sys.exit(f"server for {url} did not come up in {timeout:.0f} s")
+
+
+def start_server(name: str, log_dir: Path):
+    from engine.default_model import default_model_dir
+
+    hub_cache = log_dir / "hf-hub"  # transformers serve scans a hub cache even for a local model
+    hub_cache.mkdir(exist_ok=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
+    log = open(log_dir / f"{name}.log", "w")
+    if name == "kvscale":
+        cmd = ["serve", "run", str(ROOT / "serve_app" / "config.yaml")]
+        url = "http://127.0.0.1:8000"
+    else:
+        cmd = ["transformers", "serve", default_model_dir(), "--continuous-batching", "--port", "8001",
+               "--host", "127.0.0.1", "--dtype", "bfloat16", "--device", "cpu"]
+        url = "http://127.0.0.1:8001"
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    wait_up(url, proc)
+    return proc, url
+
+
+def stop(proc) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+    except Exception:
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", action="append", default=[], help="name=http://host:port (repeatable)")
+    ap.add_argument("--compare", action="store_true", help="start kvscale, then transformers serve, one by one")
+    ap.add_argument("--trace", default="conv", choices=["conv", "code"])
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--speedup", type=float, default=2.0)
+    ap.add_argument("--max-context", type=int, default=512)
+    ap.add_argument("--max-output", type=int, default=64)
+    args = ap.parse_args()
+    trace = load_trace(args.trace, args.num_requests, args.offset, args.speedup, args.max_context, args.max_output)
+    prompts = make_prompts(trace)
+    print(f"trace: {args.trace}, {len(trace)} requests from row {args.offset}, arrivals / {args.speedup} over "
+          f"{trace[-1][0]:.1f} s, context capped at {args.max_context}, output at {args.max_output} tokens")
+    print(machine_ceilings())
+    rows = []
+    if args.compare:
+        log_dir = Path("/tmp/kvscale-bench")
+        log_dir.mkdir(exist_ok=True)
+        for name in ("kvscale", "transformers-serve-cb"):
+            proc, url = start_server(name, log_dir)
+            try:
+                asyncio.run(run_load(url, trace[:4], prompts[:4]))  # warm-up, not counted
+                rows.append((name, asyncio.run(run_load(url, trace, prompts))))
+                print(name, json.dumps(rows[-1][1]), flush=True)
+            finally:
+                stop(proc)
+    for spec in args.url:
+        name, url = spec.split("=", 1)
+        rows.append((name, asyncio.run(run_load(url, trace, prompts))))
+    print(f"\n| system | requests (failed) | output tok/s | TTFT p50 / p99 s | ITL p50 / p99 s |")
+    print("|---|---|---|---|---|")
+    for name, r in rows:
+        print(f"| {name} | {r['requests']} ({r['failed']}) | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} / "
+              f"{r['ttft_p99']:.2f} | {r['itl_p50']:.3f} / {r['itl_p99']:.3f} |")
+    if len(rows) == 2:
+        a, b = rows[0][1], rows[1][1]
+        print(f"\n{rows[0][0]} / {rows[1][0]}: throughput x{a['tok_s'] / b['tok_s']:.2f}, "
+              f"p99 TTFT x{a['ttft_p99'] / b['ttft_p99']:.2f}")
+
+
+if __name__ == "__main__":
+    main()
