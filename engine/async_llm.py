@@ -104,10 +104,8 @@ class AsyncLLM:
     def _loop(self) -> None:
         while not self._stopped.is_set():
             try:
-                block = not self.engine.has_unfinished_requests()
-                command = self._commands.get(block=block, timeout=0.5 if block else None) if block \
-                    else self._commands.get_nowait()
-                self._handle(command)
+                idle = not self.engine.has_unfinished_requests()
+                self._handle(self._commands.get(timeout=0.5) if idle else self._commands.get_nowait())
                 continue  # drain all commands before the next step
             except queue.Empty:
                 pass

@@ -110,7 +110,8 @@ class ModelRunner:
         return int(peak * 2)
 
     # ---- one step ----
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, batch: ScheduledBatch
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], torch.Tensor]:
         seqs, query_lens = batch.seqs, batch.num_new_tokens
         starts = [s.num_computed_tokens for s in seqs]
         input_ids: list[int] = []
@@ -138,14 +139,13 @@ class ModelRunner:
             query_lens_host=list(query_lens), seq_lens_host=seq_lens,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens),
         )
-        return torch.tensor(input_ids, device=dev), positions.to(dev), meta, logits_idx.to(dev)
+        return torch.tensor(input_ids, device=dev), positions.to(dev), meta, sample_rows, logits_idx.to(dev)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput | None]:
         """Run one step. Returns the batch rows that sampled and what they sampled."""
-        input_ids, positions, meta, logits_idx = self.prepare(batch)
+        input_ids, positions, meta, sample_rows, logits_idx = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_caches, meta)
-        sample_rows = [i for i in range(len(batch.seqs)) if batch.will_sample(i)]
         if not sample_rows:
             return [], None
         logits = self.model.compute_logits(hidden[logits_idx])

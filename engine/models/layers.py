@@ -209,8 +209,9 @@ class DecoderForCausalLM(nn.Module):
             dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + 1
         missing = []
-        for target, param in params.items():
-            expected = len(self._shard_sizes(target.split(".")[-2])) if target.split(".")[-2] in ("qkv_proj", "gate_up_proj") else 1
+        for target in params:
+            module = target.split(".")[-2]
+            expected = len(self._shard_sizes(module)) if module in ("qkv_proj", "gate_up_proj") else 1
             if filled.get(target, 0) != expected:
                 missing.append(target)
         if missing:
