@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, cdiv
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string, stream_safe_length
 from engine.loader import load_hf_config, load_tokenizer, resolve_model_path
@@ -289,7 +289,7 @@ class LLMEngine:
         for seq in self.scheduler.live_sequences():
             max_out = seq.params.max_tokens
             expected_out = max_out if p90 is None else min(max_out, max(p90, seq.num_output_tokens + 1))
-            total += -(-(seq.num_prompt_tokens + expected_out) // bs)
+            total += cdiv(seq.num_prompt_tokens + expected_out, bs)
         return total
 
     def live_sequences(self) -> Iterable[Sequence]:

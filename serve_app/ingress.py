@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 
 from serve_app.config import ServeConfig
-from serve_app.metrics import get_board, render
+from serve_app.metrics import get_board, render, replica_identity
 from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("ray.serve")
@@ -117,7 +117,7 @@ class OpenAIIngress:
     @fastapi_app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
         if self._board is None:
-            self._board = get_board(self.config_app_name())
+            self._board = get_board(replica_identity()[1])
         snapshots = await self._board.get_all.remote()
         return PlainTextResponse(render(snapshots), media_type="text/plain; version=0.0.4")
 
@@ -154,14 +154,6 @@ class OpenAIIngress:
                      "add_generation_prompt": req.add_generation_prompt}]
         return await self._serve(rid, "chat", req, payloads)
 
-    def config_app_name(self) -> str:
-        try:
-            from ray import serve
-
-            return serve.get_replica_context().app_name
-        except Exception:
-            return "local"
-
     # ---- streaming core ----
     async def _serve(self, rid: str, kind: str, req, payloads: list[dict[str, Any]]):
         streams = [self.engine.options(stream=True).generate.remote(p) for p in payloads]
@@ -186,7 +178,7 @@ class OpenAIIngress:
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._collect(rid, kind, req, merged, n, created, len(payloads))
 
-    def _choice_chunk(self, kind: str, req, index: int, c: dict, first: bool) -> dict[str, Any]:
+    def _choice_chunk(self, kind: str, index: int, c: dict, first: bool) -> dict[str, Any]:
         lp = _format_logprobs(kind, c["logprobs"]) if c["logprobs"] is not None else None
         if kind == "completion":
             return {"index": index, "text": c["text"], "logprobs": lp, "finish_reason": c["finish_reason"]}
@@ -210,7 +202,7 @@ class OpenAIIngress:
                 for c in item["choices"]:
                     index = p_idx * n + c["index"]
                     completion_tokens[index] = c["num_tokens"]
-                    choices.append(self._choice_chunk(kind, req, index, c, index not in started))
+                    choices.append(self._choice_chunk(kind, index, c, index not in started))
                     started.add(index)
                 if choices:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,

@@ -72,6 +72,17 @@ class StatsBoard:
         return {r: v[1] for r, v in self.snapshots.items()}
 
 
+def replica_identity() -> tuple[str, str]:
+    """(replica id, app name) of the Serve replica this runs in; ("local", "local") outside one."""
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        return ctx.replica_id.unique_id, ctx.app_name
+    except Exception:  # outside a replica (unit tests)
+        return "local", "local"
+
+
 def get_board(app_name: str):
     return StatsBoard.options(name=f"stats-board-{app_name}", namespace=BOARD_NAMESPACE, lifetime="detached",
                               get_if_exists=True).remote()

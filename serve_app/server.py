@@ -17,7 +17,8 @@ from engine.async_llm import AsyncLLM
 from engine.llm import apply_chat_template
 from engine.sampling_params import SamplingParams
 from serve_app.config import ServeConfig
-from serve_app.metrics import E2E_BUCKETS, ITL_BUCKETS, REPORT_INTERVAL_S, TTFT_BUCKETS, Histogram, get_board
+from serve_app.metrics import (E2E_BUCKETS, ITL_BUCKETS, REPORT_INTERVAL_S, TTFT_BUCKETS, Histogram, get_board,
+                               replica_identity)
 from serve_app.protocol import APIError
 
 logger = logging.getLogger("ray.serve")
@@ -32,7 +33,7 @@ class EngineServer:
             torch.set_num_threads(self.config.torch_threads)
         self.llm = AsyncLLM(self.config.to_engine_config())
         self.tokenizer = self.llm.get_tokenizer()
-        self.replica_id, self.app_name = _replica_identity()
+        self.replica_id, self.app_name = replica_identity()
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
@@ -164,16 +165,6 @@ class EngineServer:
     def __del__(self) -> None:
         self._stopped.set()
         self.llm.shutdown()
-
-
-def _replica_identity() -> tuple[str, str]:
-    try:
-        from ray import serve
-
-        ctx = serve.get_replica_context()
-        return ctx.replica_id.unique_id, ctx.app_name
-    except Exception:  # outside a replica (unit tests)
-        return "local", "local"
 
 
 def _field_in(message: str) -> str | None:

@@ -22,6 +22,16 @@ def test_pure_python_no_torch():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
+def cached_then_freed(bm, tokens, rid):
+    """A sequence that computed all its tokens, offered its full blocks to the cache, and ended."""
+    s = seq(tokens, rid)
+    assert bm.admit(s, [], len(s.token_ids))
+    s.num_computed_tokens = len(s.token_ids)
+    bm.register_full_blocks(s)
+    bm.free(s)
+    return s
+
+
 def test_hash_is_stable_and_chained():
     a = hash_block(None, [1, 2, 3, 4])
     assert a == hash_block(None, [1, 2, 3, 4])
@@ -56,11 +66,7 @@ def test_all_or_nothing_when_pool_is_short():
 
 def test_prefix_hit_reuses_cached_free_blocks_and_keeps_one_token_to_compute():
     bm = BlockManager(num_blocks=8, block_size=4)
-    a = seq(range(8), "a")
-    assert bm.admit(a, [], 8)
-    a.num_computed_tokens = 8
-    bm.register_full_blocks(a)
-    bm.free(a)
+    cached_then_freed(bm, range(8), "a")
     assert bm.num_cached_free_blocks == 2 and bm.num_free_blocks == 8
     b = seq(list(range(8)) + [50], "b")
     hits = bm.find_cached_prefix(b)
@@ -76,11 +82,7 @@ def test_prefix_hit_reuses_cached_free_blocks_and_keeps_one_token_to_compute():
 
 def test_lru_eviction_takes_oldest_freed_and_tail_first():
     bm = BlockManager(num_blocks=4, block_size=2)
-    a = seq(range(4), "a")
-    assert bm.admit(a, [], 4)
-    a.num_computed_tokens = 4
-    bm.register_full_blocks(a)  # blocks 0, 1 cached
-    bm.free(a)  # freed tail first: free order 2, 3, 1, 0
+    cached_then_freed(bm, range(4), "a")  # blocks 0, 1 cached; freed tail first: free order 2, 3, 1, 0
     assert list(bm.free_block_ids) == [2, 3, 1, 0]
     b = seq(range(100, 106), "b")
     assert bm.admit(b, [], 6)  # takes 2, 3 (never cached), then evicts 1 (a's tail) before 0 (a's head)
