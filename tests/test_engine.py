@@ -63,6 +63,7 @@ def test_stop_token_ids_end_output_including_the_stop_token(llm):
                                            stop_token_ids=[stop_tok]))[0].outputs[0]
     assert out.token_ids == full.token_ids[: first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    assert_all_free(llm)
 
 
 def test_stop_string_cuts_text_before_it(llm):
@@ -76,6 +77,7 @@ def test_stop_string_cuts_text_before_it(llm):
     assert out.text == text[: text.index(stop)]
     assert stop not in out.text
     assert len(out.token_ids) < len(full.token_ids)
+    assert_all_free(llm)
 
 
 def test_eos_stops_unless_ignored(llm):
@@ -88,6 +90,7 @@ def test_eos_stops_unless_ignored(llm):
         assert out.token_ids == full.token_ids[: full.token_ids.index(eos) + 1] and out.finish_reason == "stop"
         kept = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, min_tokens=12))[0].outputs[0]
         assert len(kept.token_ids) == 12 and eos not in kept.token_ids and kept.finish_reason == "length"
+        assert_all_free(llm)
     finally:
         llm.engine.eos_token_ids.remove(eos)
 
