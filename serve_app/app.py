@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ray import serve
+from ray.serve.config import RequestRouterConfig
 
 from serve_app.config import ServeConfig
 from serve_app.ingress import OpenAIIngress, fastapi_app
@@ -20,6 +21,8 @@ def engine_deployment_options(config: ServeConfig) -> dict[str, Any]:
         max_ongoing_requests=config.max_ongoing_requests,
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         health_check_period_s=10,
+        request_router_config=RequestRouterConfig(request_router_class="serve_app.router:KVAwareRouter",
+                                                  request_routing_stats_period_s=1.0),
     )
     if config.num_replicas is not None:
         options["num_replicas"] = config.num_replicas

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import OrderedDict
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +21,9 @@ from serve_app.config import ServeConfig
 from serve_app.metrics import (E2E_BUCKETS, ITL_BUCKETS, REPORT_INTERVAL_S, TTFT_BUCKETS, Histogram, get_board,
                                replica_identity)
 from serve_app.protocol import APIError
+from serve_app.router import prefix_fingerprint
+
+MAX_REMEMBERED_PREFIXES = 256
 
 logger = logging.getLogger("ray.serve")
 
@@ -40,6 +44,7 @@ class EngineServer:
         self.finished: dict[str, int] = {}
         self._preemptions_reported = 0
         self._num_unstarted = 0  # requests in generate() that have not had their first token yet
+        self._recent_prefixes: OrderedDict[str, None] = OrderedDict()  # prompt fingerprints, LRU, for routing
         self._board = None
         self._stopped = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, name="kvscale-stats", daemon=True)
@@ -76,6 +81,7 @@ class EngineServer:
         except APIError as e:
             yield {"type": "error", **e.to_dict()}
             return
+        self._remember_prefix(payload)
         want_logprobs = params.logprobs is not None
         last, first_seen = start, False
         self._num_unstarted += 1
@@ -109,6 +115,15 @@ class EngineServer:
         finally:
             if not first_seen:
                 self._num_unstarted -= 1
+
+    def _remember_prefix(self, payload: dict[str, Any]) -> None:
+        fingerprint = prefix_fingerprint(payload)
+        if fingerprint is None:
+            return
+        self._recent_prefixes[fingerprint] = None
+        self._recent_prefixes.move_to_end(fingerprint)
+        while len(self._recent_prefixes) > MAX_REMEMBERED_PREFIXES:
+            self._recent_prefixes.popitem(last=False)
 
     @staticmethod
     def _logprobs(c, n_new: int, top_k: int) -> list[dict[str, Any]]:
@@ -147,6 +162,14 @@ class EngineServer:
                 "kv_used_blocks": float(s.num_used_blocks),
                 "kv_demand_blocks": float(self.llm.engine.projected_demand_blocks()),
                 "num_waiting": float(s.num_waiting), "preemptions": float(preempted)}
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Ray Serve's routing-stats hook: what serve_app.router's KVAwareRouter reads."""
+        s = self.llm.stats()
+        return {"free_blocks": s.num_free_blocks, "used_blocks": s.num_used_blocks,
+                "demand_blocks": self.llm.engine.projected_demand_blocks(), "waiting": self._num_unstarted,
+                "max_waiting": self.config.max_waiting_requests, "block_size": s.block_size,
+                "prefixes": list(self._recent_prefixes)}
 
     def check_health(self) -> None:
         if not self.llm._thread.is_alive():

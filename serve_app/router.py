@@ -1,0 +1,132 @@
+"""The routing rule: send a request where its KV fits best, and where its prompt may already be cached.
+
+Each engine replica reports (record_routing_stats): free blocks, blocks its live requests will still
+claim (projected demand), its waiting count and limit, and fingerprints of recent prompt prefixes. For a
+request needing `d` blocks, a replica's headroom is free - (demand - held) - d, i.e. what is left after
+everything it has admitted grows to its expected size. The router samples two replicas (power of two
+choices over headroom), and prefers a replica that saw the same prompt prefix if its headroom is not
+negative. A replica at its waiting limit gets nothing new. `rank_replicas` holds the rule and needs no Ray.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+
+DEFAULT_MAX_TOKENS_GUESS = 256  # a request without max_tokens is assumed to want this many
+CHARS_PER_TOKEN = 4  # the router does not tokenize; a text prompt is estimated at this rate
+FINGERPRINT_CHARS = 256
+
+
+def prefix_fingerprint(payload: dict[str, Any]) -> str | None:
+    """A stable key for the start of a request's prompt (the part that becomes its first cached blocks)."""
+    if payload.get("kind") == "chat":
+        head = json.dumps(payload.get("messages", [])[:2], sort_keys=True)[:FINGERPRINT_CHARS]
+    else:
+        prompt = payload.get("prompt")
+        if isinstance(prompt, str):
+            head = prompt[:FINGERPRINT_CHARS]
+        elif isinstance(prompt, list):
+            head = json.dumps(prompt[: FINGERPRINT_CHARS // CHARS_PER_TOKEN])
+        else:
+            return None
+    if len(head) < FINGERPRINT_CHARS // 2:
+        return None  # too short to share a full block worth caring about
+    return hashlib.blake2b(head.encode(), digest_size=8).hexdigest()
+
+
+def estimate_blocks(payload: dict[str, Any], block_size: int) -> int:
+    """Blocks one request will hold at its end, from its payload alone."""
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list):
+        prompt_tokens = len(prompt)
+    elif isinstance(prompt, str):
+        prompt_tokens = len(prompt) // CHARS_PER_TOKEN + 1
+    else:
+        prompt_tokens = len(json.dumps(payload.get("messages", []))) // CHARS_PER_TOKEN + 1
+    sampling = payload.get("sampling", {})
+    out = sampling.get("max_tokens") or DEFAULT_MAX_TOKENS_GUESS
+    n = sampling.get("n", 1) or 1
+    return -(-(prompt_tokens + out * n) // block_size)
+
+
+@dataclass(frozen=True)
+class ReplicaView:
+    key: Any  # whatever identifies the replica to the caller
+    free_blocks: float
+    held_blocks: float
+    demand_blocks: float
+    waiting: float
+    max_waiting: float
+    prefixes: frozenset[str]
+
+    def headroom(self, need: int) -> float:
+        still_to_claim = max(0.0, self.demand_blocks - self.held_blocks)
+        return self.free_blocks - still_to_claim - need
+
+    @property
+    def is_full(self) -> bool:
+        return self.waiting >= self.max_waiting
+
+
+def rank_replicas(views: Sequence[ReplicaView], need_blocks: int, fingerprint: str | None,
+                  rng: random.Random) -> list[list[Any]]:
+    """Ranks of replica keys, most preferred first. Replicas without stats yet rank after those with."""
+    open_views = [v for v in views if not v.is_full]
+    if not open_views:
+        return []
+    if fingerprint is not None:
+        warm = [v for v in open_views if fingerprint in v.prefixes and v.headroom(need_blocks) >= 0]
+        if warm:
+            best = max(warm, key=lambda v: v.headroom(need_blocks))
+            rest = sorted((v for v in open_views if v is not best), key=lambda v: -v.headroom(need_blocks))
+            return [[best.key]] + [[v.key] for v in rest]
+    pair = rng.sample(list(open_views), 2) if len(open_views) >= 2 else list(open_views)
+    pair.sort(key=lambda v: -v.headroom(need_blocks))
+    others = [v for v in open_views if v not in pair]
+    others.sort(key=lambda v: -v.headroom(need_blocks))
+    return [[v.key] for v in pair] + [[v.key] for v in others]
+
+
+def view_of(replica: RunningReplica) -> ReplicaView | None:
+    stats = replica.routing_stats or {}
+    if "free_blocks" not in stats:
+        return None
+    return ReplicaView(key=replica, free_blocks=stats["free_blocks"], held_blocks=stats["used_blocks"],
+                       demand_blocks=stats["demand_blocks"], waiting=stats["waiting"],
+                       max_waiting=stats["max_waiting"], prefixes=frozenset(stats.get("prefixes", ())))
+
+
+class KVAwareRouter(FIFOMixin, RequestRouter):
+    """Ray Serve request router for the engine deployment; runs in the caller (ingress) process.
+
+    FIFO: a chosen replica goes to the oldest pending request. Without it Ray matches the choice to the
+    request by its internal id, which the n handle calls of one HTTP request (a prompt list) share, and
+    all but one of them would wait forever.
+    """
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._rng = random.Random(kwargs.get("seed"))
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
+        rng = getattr(self, "_rng", None) or random.Random()
+        if pending_request is not None:
+            pending_request.routing_context.should_backoff = True  # every replica was a candidate: back off
+        views, unknown = [], []
+        for r in candidate_replicas:
+            v = view_of(r)
+            (views.append(v) if v is not None else unknown.append(r))
+        payload = pending_request.args[0] if pending_request and pending_request.args else {}
+        payload = payload if isinstance(payload, dict) else {}
+        block_size = int(next((r.routing_stats.get("block_size", 16) for r in candidate_replicas
+                               if r.routing_stats), 16))
+        ranks = rank_replicas(views, estimate_blocks(payload, block_size), prefix_fingerprint(payload), rng)
+        if unknown:  # new replicas: no stats yet, but they are empty, so try them right after the best
+            ranks = ranks[:1] + [unknown] + ranks[1:]
+        return ranks

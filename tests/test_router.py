@@ -1,0 +1,47 @@
+"""The routing rule on constructed replica views (no Ray cluster)."""
+from __future__ import annotations
+
+import random
+
+from serve_app.router import ReplicaView, estimate_blocks, prefix_fingerprint, rank_replicas
+
+
+def view(key, free=100, held=0, demand=0, waiting=0, max_waiting=8, prefixes=()):
+    return ReplicaView(key, free, held, demand, waiting, max_waiting, frozenset(prefixes))
+
+
+def test_two_choices_pick_the_larger_headroom():
+    views = [view("a", free=10), view("b", free=90)]
+    for seed in range(5):
+        assert rank_replicas(views, 5, None, random.Random(seed))[0] == ["b"]
+
+
+def test_headroom_counts_what_admitted_requests_will_still_claim():
+    # a has more free blocks now, but its running requests will grow by 80 more
+    a = view("a", free=100, held=20, demand=100)
+    b = view("b", free=60, held=10, demand=10)
+    assert a.headroom(10) == 10 and b.headroom(10) == 50
+    assert rank_replicas([a, b], 10, None, random.Random(0))[0] == ["b"]
+
+
+def test_replica_at_waiting_limit_gets_nothing():
+    views = [view("a", free=100, waiting=8), view("b", free=1)]
+    assert rank_replicas(views, 5, None, random.Random(0)) == [["b"]]
+    assert rank_replicas([view("a", waiting=8)], 5, None, random.Random(0)) == []
+
+
+def test_prefers_replica_caching_the_prefix_when_it_fits():
+    views = [view("a", free=100), view("b", free=30, prefixes={"fp"})]
+    assert rank_replicas(views, 10, "fp", random.Random(0))[0] == ["b"]
+    # but not when the prefix holder has no room for it
+    assert rank_replicas(views, 40, "fp", random.Random(0))[0] == ["a"]
+
+
+def test_payload_estimates():
+    long_prompt = "word " * 200
+    p = {"kind": "completion", "prompt": long_prompt, "sampling": {"max_tokens": 100}}
+    assert estimate_blocks(p, 16) == -(-(len(long_prompt) // 4 + 1 + 100) // 16)
+    assert estimate_blocks({"prompt": [1] * 30, "sampling": {"max_tokens": 2, "n": 3}}, 16) == 3
+    assert prefix_fingerprint(p) == prefix_fingerprint({**p, "prompt": long_prompt + "different tail"})
+    assert prefix_fingerprint({"prompt": "hi"}) is None
+    assert prefix_fingerprint(p) != prefix_fingerprint({**p, "prompt": "other " * 200})
