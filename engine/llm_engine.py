@@ -52,6 +52,7 @@ class EngineStats:
     block_size: int
     num_running: int
     num_waiting: int
+    num_waiting_for_kv: int  # of num_waiting, those the last step could not admit for lack of blocks
     num_preemptions_total: int
     num_prompt_tokens_total: int
     num_generation_tokens_total: int
@@ -271,6 +272,7 @@ class LLMEngine:
             num_total_blocks=bm.num_total_blocks, num_free_blocks=bm.num_free_blocks,
             num_cached_free_blocks=bm.num_cached_free_blocks, num_used_blocks=bm.num_used_blocks,
             block_size=bm.block_size, num_running=sch.num_running, num_waiting=sch.num_waiting,
+            num_waiting_for_kv=sch.num_waiting_for_kv,
             num_preemptions_total=sch.num_preemptions_total,
             num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_generation_tokens_total=self.num_generation_tokens_total,

@@ -10,7 +10,8 @@ The rules, all of them here:
    count reset, and it goes back to the front of the waiting queue (its generated tokens are kept and
    recomputed as if they were prompt). Preemptions are counted.
 3. Waiting sequences are admitted strictly first-come-first-served, and not at all in a step that
-   preempted. Admission takes any cached prefix (or, for samples 2..n of a request, the prompt blocks
+   preempted. When the pool is what stops admission (or forced a preemption), the waiting sequences are
+   counted as waiting for KV: the autoscaler's signal that this replica is out of memory, not just busy. Admission takes any cached prefix (or, for samples 2..n of a request, the prompt blocks
    sample 1 has computed) before asking the pool for fresh blocks.
 4. A request that can never fit is refused when it is added (see LLMEngine), never queued forever.
 """
@@ -52,6 +53,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
+        self.num_waiting_for_kv = 0  # waiting sequences the last step left out for lack of KV blocks
 
     # ---- queue ----
     def add(self, seq: Sequence) -> None:
@@ -91,6 +93,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        self.num_waiting_for_kv = 0
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -111,6 +114,7 @@ class Scheduler:
             break  # seq preempted itself: nothing after it is left running
 
         if batch.num_preempted:
+            self.num_waiting_for_kv = len(self.waiting)
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -119,6 +123,7 @@ class Scheduler:
                 break  # sample 1 of its request has not computed the shared prompt yet
             num_new = min(seq.num_tokens - len(prefix) * bm.block_size, budget)
             if not bm.admit(seq, prefix, num_new):
+                self.num_waiting_for_kv = len(self.waiting)
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

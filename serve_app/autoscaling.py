@@ -30,7 +30,7 @@ def kv_autoscaling_policy(ctx: Any, target_utilization: float = 0.75,
         return clamp(max(current, wake)), state
     blocks_per_replica = sum(totals.values()) / len(totals)
     demand = sum((metrics.get("kv_demand_blocks") or {}).values())
-    waiting = sum((metrics.get("num_waiting") or {}).values())
+    waiting = sum((metrics.get("num_waiting_for_kv") or {}).values())  # queued for memory, not for a step
     preempted = sum((metrics.get("preemptions") or {}).values())
     needed = math.ceil(demand / (target_utilization * blocks_per_replica)) if demand > 0 else 0
 

@@ -161,7 +161,8 @@ class EngineServer:
         return {"kv_total_blocks": float(s.num_total_blocks), "kv_free_blocks": float(s.num_free_blocks),
                 "kv_used_blocks": float(s.num_used_blocks),
                 "kv_demand_blocks": float(self.llm.engine.projected_demand_blocks()),
-                "num_waiting": float(s.num_waiting), "preemptions": float(preempted)}
+                "num_waiting": float(s.num_waiting), "num_waiting_for_kv": float(s.num_waiting_for_kv),
+                "preemptions": float(preempted)}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve's routing-stats hook: what serve_app.router's KVAwareRouter reads."""

@@ -19,7 +19,7 @@ def ctx(current=1, total=100.0, demand=0.0, waiting=0.0, preempted=0.0, state=No
 
     metrics = {} if current == 0 else {
         "kv_total_blocks": {r: total for r in replicas}, "kv_demand_blocks": per_replica(demand),
-        "num_waiting": per_replica(waiting), "preemptions": per_replica(preempted)}
+        "num_waiting_for_kv": per_replica(waiting), "preemptions": per_replica(preempted)}
     return AutoscalingContext(
         deployment_id=dep, deployment_name="KVEngine", app_name="app", current_num_replicas=current,
         target_num_replicas=current, running_replicas=replicas, total_num_requests=requests,

@@ -152,3 +152,20 @@ def test_fuzz_invariants(ops, num_blocks, block_size, budget, max_seqs, caching)
     assert bm.num_free_blocks == bm.num_total_blocks
     assert all(r == 0 for r in bm.ref_counts)
     bm.check_invariants([])
+
+
+def test_waiting_for_kv_is_told_apart_from_waiting_for_a_step():
+    """The autoscaler scales up on requests that wait for memory; a full step budget is not that."""
+    bm, sch = make(num_blocks=16, block_size=4, budget=8)
+    for rid in "ab":
+        sch.add(new_seq(rid, 8)[0])  # the budget takes only a this step
+    run_step(sch)
+    assert sch.num_waiting == 1 and sch.num_waiting_for_kv == 0
+    bm, sch = make(num_blocks=4, block_size=4, budget=64)
+    for rid in "ab":
+        sch.add(new_seq(rid, 12)[0])  # 3 blocks each; the pool holds 4
+    run_step(sch)
+    assert sch.num_waiting == 1 and sch.num_waiting_for_kv == 1
+    while sch.has_unfinished:
+        run_step(sch)
+    assert sch.num_waiting_for_kv == 0 and bm.num_free_blocks == bm.num_total_blocks
