@@ -12,9 +12,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.block_manager import BlockManager, cdiv
+from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string, stream_safe_length
+from engine.kv_demand import projected_demand_blocks
 from engine.loader import load_hf_config, load_tokenizer, resolve_model_path
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -280,19 +281,9 @@ class LLMEngine:
         )
 
     def projected_demand_blocks(self) -> int:
-        """Blocks the live sequences will hold at their end, not just now.
-
-        A sequence's output length is estimated as the 90th percentile of recently finished ones (its own
-        max_tokens until 16 have finished), never below what it has already generated, never above max_tokens.
-        """
-        recent = sorted(self.recent_output_lens)
-        p90 = recent[int(0.9 * (len(recent) - 1))] if len(recent) >= 16 else None
-        bs, total = self.config.block_size, 0
-        for seq in self.scheduler.live_sequences():
-            max_out = seq.params.max_tokens
-            expected_out = max_out if p90 is None else min(max_out, max(p90, seq.num_output_tokens + 1))
-            total += cdiv(seq.num_prompt_tokens + expected_out, bs)
-        return total
+        """Blocks the live sequences will hold at their end, not just now (see engine.kv_demand)."""
+        return projected_demand_blocks(self.scheduler.live_sequences(), self.recent_output_lens,
+                                       self.config.block_size)
 
     def live_sequences(self) -> Iterable[Sequence]:
         return self.scheduler.live_sequences()

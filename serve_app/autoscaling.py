@@ -2,19 +2,24 @@
 
 desired = ceil(total projected KV demand / (target_utilization x blocks per replica)), within min/max.
 Up at once when requests wait for KV or preemptions happen (at least one more replica); down only after
-`downscale_quiet_s` with no pressure and demand below target on the smaller fleet, one replica at a time.
+`downscale_quiet_s` with no pressure and demand below target on the smaller fleet, one replica at a time
+(the next step down waits another quiet period after Ray's last scale-down). Pressure adds at most one
+replica per `pressure_settle_s`, and none while one is still starting.
 A plain function of Ray Serve's AutoscalingContext; its memory lives in policy_state.
 """
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
-POLICY = "serve_app.autoscaling:kv_autoscaling_policy"
+logger = logging.getLogger("ray.serve")
+
+POLICY = "serve_app.autoscaling:KVAutoscalingPolicy"
 
 
-def kv_autoscaling_policy(ctx: Any, target_utilization: float = 0.75,
-                          downscale_quiet_s: float = 30.0) -> tuple[int, dict[str, Any]]:
+def kv_autoscaling_policy(ctx: Any, target_utilization: float = 0.75, downscale_quiet_s: float = 30.0,
+                          pressure_settle_s: float = 10.0) -> tuple[int, dict[str, Any]]:
     state = dict(ctx.policy_state or {})
     now = ctx.current_time or 0.0
     lo, hi = ctx.capacity_adjusted_min_replicas, ctx.capacity_adjusted_max_replicas
@@ -26,25 +31,69 @@ def kv_autoscaling_policy(ctx: Any, target_utilization: float = 0.75,
 
     totals = metrics.get("kv_total_blocks") or {}
     if current == 0 or not totals:  # nobody reporting yet: wake from zero on traffic, else hold
-        wake = 1 if (ctx.total_num_requests or 0) > 0 else 0
+        wake = 1 if _value(ctx.total_num_requests) > 0 else 0
         return clamp(max(current, wake)), state
     blocks_per_replica = sum(totals.values()) / len(totals)
     demand = sum((metrics.get("kv_demand_blocks") or {}).values())
+    # Requests the router holds back (no replica has room) wait in the callers: count them at the mean
+    # projected size of the requests the replicas hold.
+    queued = _value(ctx.total_queued_requests)
+    if queued > 0:
+        held = sum((metrics.get("num_requests") or {}).values())
+        demand += queued * (demand / held if held > 0 and demand > 0 else blocks_per_replica / 4)
     waiting = sum((metrics.get("num_waiting_for_kv") or {}).values())  # queued for memory, not for a step
     preempted = sum((metrics.get("preemptions") or {}).values())
     needed = math.ceil(demand / (target_utilization * blocks_per_replica)) if demand > 0 else 0
 
     if waiting > 0 or preempted > 0:
+        # One more replica per settle period: requests already queued on a full replica stay there, so
+        # the pressure can outlast the replica added for it; the router sends new work to the new one.
         state["last_pressure_time"] = now
-        return clamp(max(needed, current + 1)), state
+        target = max(ctx.target_num_replicas or current, current)
+        settled = now - (ctx.last_scale_up_time or -math.inf) >= pressure_settle_s
+        extra = current + 1 if settled and target == current else target
+        return _decide(clamp(max(needed, extra)), current, "requests wait for KV blocks or were preempted",
+                       state, demand, needed)
+    if needed >= current:  # the whole fleet is needed: not quiet
+        state["last_pressure_time"] = now
     if needed > current:
-        state["last_pressure_time"] = now
-        return clamp(needed), state
-    quiet_for = now - state.get("last_pressure_time", -math.inf)
-    if needed < current and quiet_for >= downscale_quiet_s:
-        state["last_pressure_time"] = now  # one step down per quiet period: no flapping
-        return clamp(current - 1), state
+        return _decide(clamp(needed), current, "projected KV demand is over target", state, demand, needed)
+    # Down only after a quiet period since the last pressure and since the last step down. The answer
+    # stays the same on every call of that stretch: Ray applies it only once it has held downscale_delay_s.
+    quiet_since = max(state.get("last_pressure_time", -math.inf), ctx.last_scale_down_time or -math.inf)
+    if needed < current and now - quiet_since >= downscale_quiet_s:
+        return _decide(clamp(current - 1), current, f"quiet for {downscale_quiet_s:.0f} s and demand fits fewer",
+                       state, demand, needed)
     return clamp(current), state
+
+
+def _decide(desired: int, current: int, why: str, state: dict[str, Any], demand: float,
+            needed: int) -> tuple[int, dict[str, Any]]:
+    """Returns the decision, logging it (once per change) in words for whoever reads the controller log."""
+    change = f"{current}->{desired}"
+    if desired != current and state.get("last_logged") != change:
+        logger.info(f"kvscale autoscaling: {current} -> {desired} replicas: {why} "
+                    f"(projected demand {demand:.0f} blocks = {needed} replicas at target utilization)")
+        state["last_logged"] = change
+    return desired, state
+
+
+def _value(x: Any) -> float:
+    """Ray passes some context fields as zero-argument callables (evaluated lazily)."""
+    x = x() if callable(x) else x
+    return float(x or 0.0)
+
+
+class KVAutoscalingPolicy:
+    """What Ray Serve is given: Ray 2.60 forwards `policy_kwargs` only to a policy that is a class (it
+    instantiates it once and calls it every tick); a plain function would get Ray's context alone and
+    run on its defaults. This holds the kwargs and calls kv_autoscaling_policy with them."""
+
+    def __init__(self, **policy_kwargs: Any) -> None:
+        self.policy_kwargs = policy_kwargs
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        return kv_autoscaling_policy(ctx, **self.policy_kwargs)
 
 
 def autoscaling_config(config: Any) -> dict[str, Any]:

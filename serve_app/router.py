@@ -3,9 +3,15 @@
 Each engine replica reports (record_routing_stats): free blocks, blocks its live requests will still
 claim (projected demand), its waiting count and limit, and fingerprints of recent prompt prefixes. For a
 request needing `d` blocks, a replica's headroom is free - (demand - held) - d, i.e. what is left after
-everything it has admitted grows to its expected size. The router samples two replicas (power of two
-choices over headroom), and prefers a replica that saw the same prompt prefix if its headroom is not
-negative. A replica at its waiting limit gets nothing new. `rank_replicas` holds the rule and needs no Ray.
+everything it has admitted grows to its expected size. The rules:
+1. A replica at its waiting limit gets nothing new; nor does one that already has requests waiting and
+   no headroom for this one. If no replica qualifies the request waits in the caller (Ray backs off and
+   asks again), where a new replica can take it, instead of queueing behind a full one.
+2. A replica that saw the same prompt prefix is preferred if its headroom is not negative.
+3. Otherwise, power of two choices over headroom.
+Stats are a second old at most; what this router sent to a replica since its last report is added to
+that replica's demand and waiting count (PendingBook), so a burst does not all land on one replica.
+`rank_replicas` holds the rule and needs no Ray.
 """
 from __future__ import annotations
 
@@ -73,11 +79,14 @@ class ReplicaView:
     def is_full(self) -> bool:
         return self.waiting >= self.max_waiting
 
+    def takes(self, need: int) -> bool:
+        return not self.is_full and (self.waiting == 0 or self.headroom(need) >= 0)
+
 
 def rank_replicas(views: Sequence[ReplicaView], need_blocks: int, fingerprint: str | None,
                   rng: random.Random) -> list[list[Any]]:
     """Ranks of replica keys, most preferred first. Replicas without stats yet rank after those with."""
-    open_views = [v for v in views if not v.is_full]
+    open_views = [v for v in views if v.takes(need_blocks)]
     if not open_views:
         return []
     if fingerprint is not None:
@@ -93,13 +102,40 @@ def rank_replicas(views: Sequence[ReplicaView], need_blocks: int, fingerprint: s
     return [[v.key] for v in pair] + [[v.key] for v in others]
 
 
-def view_of(replica: RunningReplica) -> ReplicaView | None:
-    stats = replica.routing_stats or {}
-    if "free_blocks" not in stats:
-        return None
-    return ReplicaView(key=replica, free_blocks=stats["free_blocks"], held_blocks=stats["used_blocks"],
-                       demand_blocks=stats["demand_blocks"], waiting=stats["waiting"],
-                       max_waiting=stats["max_waiting"], prefixes=frozenset(stats.get("prefixes", ())))
+class PendingBook:
+    """What this router sent to each replica since that replica's last stats report."""
+
+    def __init__(self) -> None:
+        self._entries: dict[Any, list] = {}  # key -> [report stamp, blocks, requests]
+
+    def _entry(self, key: Any, stamp: Any) -> list:
+        entry = self._entries.get(key)
+        if entry is None or entry[0] != stamp:
+            entry = self._entries[key] = [stamp, 0, 0]
+        return entry
+
+    def view(self, key: Any, stats: dict[str, Any] | None,
+             like: dict[str, Any] | None = None) -> ReplicaView | None:
+        """The replica as last reported plus what was sent since. A replica that has not reported yet
+        (just started, so empty) is taken to be an empty one shaped `like` a reporting peer, if any."""
+        if not stats or "free_blocks" not in stats:
+            if not like:
+                return None
+            stats = {"free_blocks": like["free_blocks"] + like["used_blocks"], "used_blocks": 0,
+                     "demand_blocks": 0, "waiting": 0, "max_waiting": like["max_waiting"], "reported_at": None}
+        _, blocks, requests = self._entry(key, stats.get("reported_at"))
+        return ReplicaView(key=key, free_blocks=stats["free_blocks"], held_blocks=stats["used_blocks"],
+                           demand_blocks=stats["demand_blocks"] + blocks, waiting=stats["waiting"] + requests,
+                           max_waiting=stats["max_waiting"], prefixes=frozenset(stats.get("prefixes", ())))
+
+    def note(self, key: Any, stats: dict[str, Any] | None, blocks: int) -> None:
+        entry = self._entry(key, (stats or {}).get("reported_at"))
+        entry[1] += blocks
+        entry[2] += 1
+
+    def forget_missing(self, keys: Sequence[Any]) -> None:
+        for key in set(self._entries) - set(keys):
+            del self._entries[key]
 
 
 class KVAwareRouter(FIFOMixin, RequestRouter):
@@ -112,21 +148,34 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
 
     def initialize_state(self, **kwargs: Any) -> None:
         self._rng = random.Random(kwargs.get("seed"))
+        self._book = PendingBook()
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        rng = getattr(self, "_rng", None) or random.Random()
+        if not hasattr(self, "_book"):
+            self.initialize_state()
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # every replica was a candidate: back off
+        book = self._book
+        book.forget_missing([r.replica_id for r in candidate_replicas])
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        like = next((r.routing_stats for r in candidate_replicas if r.routing_stats
+                     and "free_blocks" in r.routing_stats), None)
         views, unknown = [], []
         for r in candidate_replicas:
-            v = view_of(r)
+            v = book.view(r.replica_id, r.routing_stats, like)
             (views.append(v) if v is not None else unknown.append(r))
         payload = pending_request.args[0] if pending_request and pending_request.args else {}
         payload = payload if isinstance(payload, dict) else {}
         block_size = int(next((r.routing_stats.get("block_size", 16) for r in candidate_replicas
                                if r.routing_stats), 16))
-        ranks = rank_replicas(views, estimate_blocks(payload, block_size), prefix_fingerprint(payload), rng)
-        if unknown:  # new replicas: no stats yet, but they are empty, so try them right after the best
-            ranks = ranks[:1] + [unknown] + ranks[1:]
+        need = estimate_blocks(payload, block_size)
+        ranks = [[by_id[key] for key in rank] for rank in
+                 rank_replicas(views, need, prefix_fingerprint(payload), self._rng)]
+        if unknown:  # nobody has reported yet (the deployment just started): any of them
+            self._rng.shuffle(unknown)
+            return [[r] for r in unknown]
+        if ranks:  # Ray tries the first rank first; count it there (a retry elsewhere is rare)
+            first = ranks[0][0]
+            book.note(first.replica_id, first.routing_stats, need)
         return ranks

@@ -162,6 +162,7 @@ class EngineServer:
                 "kv_used_blocks": float(s.num_used_blocks),
                 "kv_demand_blocks": float(self.llm.engine.projected_demand_blocks()),
                 "num_waiting": float(s.num_waiting), "num_waiting_for_kv": float(s.num_waiting_for_kv),
+                "num_requests": float(s.num_running + s.num_waiting),
                 "preemptions": float(preempted)}
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -170,7 +171,7 @@ class EngineServer:
         return {"free_blocks": s.num_free_blocks, "used_blocks": s.num_used_blocks,
                 "demand_blocks": self.llm.engine.projected_demand_blocks(), "waiting": self._num_unstarted,
                 "max_waiting": self.config.max_waiting_requests, "block_size": s.block_size,
-                "prefixes": list(self._recent_prefixes)}
+                "prefixes": list(self._recent_prefixes), "reported_at": time.time()}
 
     def check_health(self) -> None:
         if not self.llm._thread.is_alive():

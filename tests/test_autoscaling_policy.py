@@ -7,7 +7,7 @@ from serve_app.autoscaling import kv_autoscaling_policy
 
 
 def ctx(current=1, total=100.0, demand=0.0, waiting=0.0, preempted=0.0, state=None, now=100.0, requests=0.0,
-        lo=1, hi=4):
+        lo=1, hi=4, target=None, last_up=None, last_down=None, config=None, queued=0.0, held=None):
     from ray.serve._private.common import DeploymentID, ReplicaID
     from ray.serve.config import AutoscalingContext
 
@@ -19,13 +19,14 @@ def ctx(current=1, total=100.0, demand=0.0, waiting=0.0, preempted=0.0, state=No
 
     metrics = {} if current == 0 else {
         "kv_total_blocks": {r: total for r in replicas}, "kv_demand_blocks": per_replica(demand),
-        "num_waiting_for_kv": per_replica(waiting), "preemptions": per_replica(preempted)}
+        "num_waiting_for_kv": per_replica(waiting), "preemptions": per_replica(preempted),
+        "num_requests": per_replica(requests if held is None else held)}
     return AutoscalingContext(
         deployment_id=dep, deployment_name="KVEngine", app_name="app", current_num_replicas=current,
-        target_num_replicas=current, running_replicas=replicas, total_num_requests=requests,
-        total_queued_requests=0.0, aggregated_metrics=metrics, raw_metrics={},
+        target_num_replicas=current if target is None else target, running_replicas=replicas, total_num_requests=requests,
+        total_queued_requests=queued, aggregated_metrics=metrics, raw_metrics={},
         capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi, policy_state=state or {},
-        last_scale_up_time=None, last_scale_down_time=None, current_time=now, config=None)
+        last_scale_up_time=last_up, last_scale_down_time=last_down, current_time=now, config=config)
 
 
 def test_scales_on_kv_demand_not_request_count():
@@ -39,17 +40,77 @@ def test_pressure_scales_up_at_once_and_respects_max():
     assert kv_autoscaling_policy(ctx(current=4, demand=900.0, waiting=5))[0] == 4
 
 
+def test_requests_held_in_the_callers_count_as_demand():
+    # 4 requests on the replica project 60 blocks (15 each); 6 more wait in the router: 150 blocks
+    assert kv_autoscaling_policy(ctx(demand=60.0, held=4, queued=6))[0] == 2
+    assert kv_autoscaling_policy(ctx(demand=60.0, held=4, queued=0))[0] == 1
+
+
+def test_pressure_adds_one_replica_per_settle_period():
+    # a replica is still starting (target 3, running 2): ask for the same 3, not a 4th
+    assert kv_autoscaling_policy(ctx(current=2, target=3, demand=10.0, waiting=1, last_up=95.0))[0] == 3
+    # it is running, but the requests queued on the full replica still wait: give the new one time
+    assert kv_autoscaling_policy(ctx(current=3, demand=10.0, waiting=1, now=100.0, last_up=95.0))[0] == 3
+    assert kv_autoscaling_policy(ctx(current=3, demand=10.0, waiting=1, now=106.0, last_up=95.0))[0] == 4
+    # demand itself still counts at once
+    assert kv_autoscaling_policy(ctx(current=2, demand=300.0, waiting=1, last_up=99.0))[0] == 4
+
+
 def test_scale_down_waits_for_quiet_period_one_step_at_a_time():
     d, state = kv_autoscaling_policy(ctx(current=3, demand=10.0, waiting=1, now=0.0))
     assert d == 4
     d, state = kv_autoscaling_policy(ctx(current=3, demand=10.0, state=state, now=10.0))
     assert d == 3  # still within the quiet period
-    d, state = kv_autoscaling_policy(ctx(current=3, demand=10.0, state=state, now=31.0))
-    assert d == 2
-    d, state = kv_autoscaling_policy(ctx(current=2, demand=10.0, state=state, now=40.0))
-    assert d == 2  # the next step down needs another quiet period
-    d, _ = kv_autoscaling_policy(ctx(current=2, demand=10.0, state=state, now=62.0))
+    for t in (31.0, 31.1, 32.0):  # the same answer on every call until Ray applies it
+        d, state = kv_autoscaling_policy(ctx(current=3, demand=10.0, state=state, now=t))
+        assert d == 2
+    d, state = kv_autoscaling_policy(ctx(current=2, demand=10.0, state=state, now=40.0, last_down=32.0))
+    assert d == 2  # the next step down needs another quiet period after the last one
+    d, _ = kv_autoscaling_policy(ctx(current=2, demand=10.0, state=state, now=62.5, last_down=32.0))
     assert d == 1
+
+
+def test_under_rays_own_control_loop(monkeypatch):
+    """Driven the way Ray's controller drives it: every 0.1 s, through Ray's wrapper that adds the
+    upscale/downscale delays, with the decision applied as Ray applies it."""
+    import types
+
+    import ray.serve.autoscaling_policy as ray_policy
+    from ray.serve.autoscaling_policy import _apply_autoscaling_config
+    from ray.serve.config import AutoscalingConfig
+
+    from serve_app.autoscaling import autoscaling_config
+    from serve_app.config import ServeConfig
+
+    raw = autoscaling_config(ServeConfig(num_replicas=None, min_replicas=1, max_replicas=4, downscale_quiet_s=5))
+    config = AutoscalingConfig(**{k: v for k, v in raw.items() if k != "policy"})
+    kwargs = raw["policy"]["policy_kwargs"]
+    policy = _apply_autoscaling_config(lambda c: kv_autoscaling_policy(c, **kwargs))
+    current, state, last_up, last_down, history = 1, {}, None, None, []
+    clock = types.SimpleNamespace(time=lambda: now)
+    monkeypatch.setattr(ray_policy, "time", clock)  # Ray's delay logic reads the wall clock
+    for tick in range(0, 600):
+        now = tick * 0.1
+        busy = 5.0 <= now < 20.0  # a KV-heavy burst: 250 blocks of demand, some requests waiting for KV
+        c = ctx(current=current, demand=250.0 if busy else 5.0, waiting=2.0 if busy and current < 3 else 0.0,
+                state=state, now=now, last_up=last_up, last_down=last_down, config=config)
+        desired, state = policy(c)
+        desired = max(1, min(4, int(desired)))
+        if desired > current:
+            last_up = now
+        elif desired < current:
+            last_down = now
+        current = desired
+        history.append((now, current))
+    up_at = next(t for t, n in history if n > 1)
+    assert 5.0 <= up_at <= 6.5, "pressure scales up within the upscale delay"
+    assert max(n for t, n in history if t < 20.0) == 4  # 250 blocks need 4 replicas at 75 % of 100
+    downs = [t for (t, n), (_, prev) in zip(history[1:], history) if n < prev]
+    assert downs and downs[0] >= 25.0, "no step down before the quiet period after the burst"
+    assert all(b - a >= 5.0 for a, b in zip(downs, downs[1:])), "one step down per quiet period"
+    assert history[-1][1] == 1
+    flips = sum(1 for (_, a), (_, b) in zip(history, history[1:]) if a != b)
+    assert flips == 1 + len(downs), "one step up, then only steps down: no flapping"
 
 
 def test_no_scale_down_when_rest_would_be_over_target():
@@ -67,11 +128,26 @@ def test_autoscaling_app_builds_with_our_policy():
     from serve_app.app import engine_deployment_options
     from serve_app.config import ServeConfig
 
-    cfg = ServeConfig(num_replicas=None, min_replicas=0, max_replicas=3)
+    cfg = ServeConfig(num_replicas=None, min_replicas=0, max_replicas=3, downscale_quiet_s=4)
     opts = engine_deployment_options(cfg)
-    assert opts["autoscaling_config"]["policy"]["policy_function"] == "serve_app.autoscaling:kv_autoscaling_policy"
     assert "num_replicas" not in opts
     build_app(cfg)  # Ray Serve accepts the deployment options
+
+
+def test_ray_hands_our_settings_to_the_policy():
+    """Resolved the way Ray's controller resolves it, the policy runs with the configured quiet period
+    (Ray forwards policy_kwargs only to class policies: a bare function would silently use 30 s)."""
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+    from ray.serve.config import AutoscalingConfig
+
+    from serve_app.app import engine_deployment_options
+    from serve_app.config import ServeConfig
+
+    opts = engine_deployment_options(ServeConfig(num_replicas=None, max_replicas=3, downscale_quiet_s=4))
+    policy = _resolve_policy_callable(AutoscalingConfig(**opts["autoscaling_config"]).policy)
+    _, state = policy(ctx(current=2, demand=10.0, waiting=1, now=0.0))
+    assert policy(ctx(current=2, demand=10.0, state=state, now=3.0))[0] == 2
+    assert policy(ctx(current=2, demand=10.0, state=state, now=4.5))[0] == 1  # 4 s, not the default 30
 
 
 def test_serve_config_rejects_bad_fields_with_names():

@@ -105,7 +105,7 @@ def test_serve_configs_pass_ray_serve_schema_and_build(name):
         assert config.device.startswith("cuda") and options["ray_actor_options"]["num_gpus"] == 1
     if config.num_replicas is None:
         policy = options["autoscaling_config"]["policy"]
-        assert policy["policy_function"] == "serve_app.autoscaling:kv_autoscaling_policy"
+        assert policy["policy_function"] == "serve_app.autoscaling:KVAutoscalingPolicy"
     build_app(app.args)  # builds the Application graph (no Ray needed)
 
 

@@ -45,3 +45,38 @@ def test_payload_estimates():
     assert prefix_fingerprint(p) == prefix_fingerprint({**p, "prompt": long_prompt + "different tail"})
     assert prefix_fingerprint({"prompt": "hi"}) is None
     assert prefix_fingerprint(p) != prefix_fingerprint({**p, "prompt": "other " * 200})
+
+
+def test_no_queueing_behind_a_full_replica():
+    full = view("a", free=5, held=40, demand=40, waiting=2)  # requests already wait there
+    assert not full.takes(10) and rank_replicas([full], 10, None, random.Random(0)) == []  # wait in the caller
+    idle_but_small = view("b", free=5, waiting=0)  # nothing waits there: it may take one and start soon
+    assert rank_replicas([full, idle_but_small], 10, None, random.Random(0)) == [["b"]]
+
+
+def test_pending_book_counts_what_was_sent_since_the_last_report():
+    from serve_app.router import PendingBook
+
+    book = PendingBook()
+    stats = {"free_blocks": 50, "used_blocks": 0, "demand_blocks": 0, "waiting": 0, "max_waiting": 8,
+             "reported_at": 1.0}
+    book.note("a", stats, 20)
+    book.note("a", stats, 20)
+    v = book.view("a", stats)
+    assert v.demand_blocks == 40 and v.waiting == 2 and v.headroom(20) == -10
+    fresh = {**stats, "reported_at": 2.0, "demand_blocks": 40, "waiting": 0}  # the replica's own report now
+    assert book.view("a", fresh).demand_blocks == 40  # not counted twice
+    assert book.view("b", None) is None
+
+
+def test_a_replica_that_has_not_reported_yet_counts_as_empty():
+    from serve_app.router import PendingBook
+
+    book = PendingBook()
+    peer = {"free_blocks": 10, "used_blocks": 90, "demand_blocks": 95, "waiting": 3, "max_waiting": 8,
+            "reported_at": 5.0}
+    new = book.view("new", None, like=peer)
+    assert new.free_blocks == 100 and new.waiting == 0
+    for _ in range(3):
+        book.note("new", None, 30)
+    assert book.view("new", None, like=peer).headroom(30) == -20  # fills up as requests are sent to it

@@ -169,3 +169,15 @@ def test_waiting_for_kv_is_told_apart_from_waiting_for_a_step():
     while sch.has_unfinished:
         run_step(sch)
     assert sch.num_waiting_for_kv == 0 and bm.num_free_blocks == bm.num_total_blocks
+
+
+def test_projected_demand_counts_what_sequences_will_hold_at_their_end():
+    from engine.kv_demand import projected_demand_blocks
+
+    (a,) = new_seq("a", 10, max_tokens=30)  # block_size 4: (10 + 30) / 4 = 10 blocks at the end
+    (b,) = new_seq("b", 3, max_tokens=2)  # 2 blocks
+    assert projected_demand_blocks([a, b], [], 4) == 12  # too few finished: trust max_tokens
+    recent = [6] * 20  # most outputs end after 6 tokens: a is expected at (10 + 6) / 4 = 4 blocks
+    assert projected_demand_blocks([a, b], recent, 4) == 4 + 2
+    a.token_ids.extend([7] * 9)  # a already has 9 outputs: never expect fewer than it has + 1
+    assert projected_demand_blocks([a], recent, 4) == 5

@@ -1,0 +1,32 @@
+"""Projected KV demand: the blocks live sequences will hold when they finish, not only what they hold now.
+
+What the autoscaler and router need to know ahead of time. A sequence's output length is estimated as
+the 90th percentile of recently finished ones (its own max_tokens until 16 have finished), never below
+what it has already generated plus one, never above its max_tokens. Pure Python: the simulator in
+bench/autoscale_sim.py uses the same estimate.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.block_manager import cdiv
+from engine.sequence import Sequence
+
+MIN_FINISHED_FOR_ESTIMATE = 16
+
+
+def expected_output_len_p90(recent_output_lens: Iterable[int]) -> int | None:
+    recent = sorted(recent_output_lens)
+    if len(recent) < MIN_FINISHED_FOR_ESTIMATE:
+        return None
+    return recent[int(0.9 * (len(recent) - 1))]
+
+
+def projected_demand_blocks(seqs: Iterable[Sequence], recent_output_lens: Iterable[int], block_size: int) -> int:
+    p90 = expected_output_len_p90(recent_output_lens)
+    total = 0
+    for seq in seqs:
+        max_out = seq.params.max_tokens
+        expected_out = max_out if p90 is None else min(max_out, max(p90, seq.num_output_tokens + 1))
+        total += cdiv(seq.num_prompt_tokens + expected_out, block_size)
+    return total
