@@ -2,10 +2,17 @@
 default model's real tokenizer beside them, so the engine loads them exactly as it loads a real model."""
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # No GPU: Triton kernels run in Triton's CPU interpreter. Must be set before triton.jit decorates
+    # anything, i.e. before kernels.triton_ops is imported, which is why it is here.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 

@@ -115,3 +115,23 @@ def test_block_size_32_and_bf16_runs(make_tiny_model):
     llm = LLM(model=path, dtype="bfloat16", device="cpu", block_size=32, num_kv_blocks=16, show_progress=False)
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert [len(o.outputs[0].token_ids) for o in outs] == [5] * 6
+
+
+# ---- the Triton kernels, end to end (Triton's interpreter on CPU; see tests/test_kernels.py) ----
+@pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa-tied-headdim", "mistral-sliding-window",
+                                     "qwen3-qknorm"])
+def test_triton_kernels_match_hf(hf_reference, variant):
+    pytest.importorskip("triton", reason="triton is not installed")  # it is, in CI
+    path, prompts, expected = hf_reference(variant)
+    ours, llm = _ours(path, prompts, num_kv_blocks=64, attention_backend="triton")
+    assert llm.engine.runner.ops.name == "triton"
+    assert ours == expected
+
+
+def test_triton_kernels_match_hf_under_chunked_prefill_and_preemption(hf_reference):
+    pytest.importorskip("triton", reason="triton is not installed")
+    path, prompts, expected = hf_reference("llama-gqa")
+    ours, _ = _ours(path, prompts, num_kv_blocks=64, max_num_batched_tokens=9, attention_backend="triton")
+    assert ours == expected
+    ours, llm = _ours(path, prompts, num_kv_blocks=8, max_model_len=128, attention_backend="triton")
+    assert ours == expected and llm.engine.stats().num_preemptions_total > 0

@@ -1,0 +1,280 @@
+"""Triton kernels for the engine's hot path, each with the signature of its torch reference.
+
+- write_kv: one program per (token, KV head); slot -1 (padding) stores nothing.
+- paged_attention: one program per (query token, KV head, context split). It loads the token's G query
+  heads that share the KV head (GQA/MQA), walks its sequence's blocks through the block table with an
+  online softmax, and stops at the token's own position (causal within a chunk, full over the cached
+  prefix), so decode, chunked prefill and prefix-cache hits are one kernel. Long contexts at small batch
+  are split over several programs (flash-decoding); a second kernel merges their partial softmaxes.
+- rms_norm: one program per row, fp32 statistics, optional fused residual add.
+- rotary: one program per (token, head), rotate-half form, cos/sin from the engine's table.
+
+Tested against the references under TRITON_INTERPRET=1 on CPU (tests/test_kernels.py); on CUDA they
+are what `kernels.select_ops` picks.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.metadata import AttentionMetadata
+
+SPLIT_MIN_BLOCKS = 8  # contexts shorter than this many blocks per split are not split
+
+
+# ---------------------------------------------------------------------------------------------- KV write
+@triton.jit
+def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh,
+                     stride_cb, stride_cs, stride_ch, block_size, head_dim,
+                     BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slot_ptr + t)
+    d = tl.arange(0, BLOCK_D)
+    mask = d < tl.where(slot >= 0, head_dim, 0)  # padding (slot -1): nothing is stored
+    safe = tl.maximum(slot, 0)
+    blk = safe // block_size
+    off = safe % block_size
+    k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and key.stride(-1) == 1
+    _write_kv_kernel[(num_tokens, num_kv_heads)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1], head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+# ---------------------------------------------------------------------------------------------- attention
+@triton.jit
+def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr,
+                            token_seq_ptr, token_pos_ptr, block_tables_ptr,
+                            stride_qt, stride_qh, stride_ot, stride_oh,
+                            stride_cb, stride_cs, stride_ch, stride_bt,
+                            scale, window, block_size, head_dim, group, blocks_per_split,
+                            NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    split = tl.program_id(2)
+    b = tl.load(token_seq_ptr + t)
+    pos = tl.load(token_pos_ptr + t)  # the query's own position: keys 0..pos are visible
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    s = tl.arange(0, BLOCK_S)
+    gmask = g < group
+    dmask = d < head_dim
+    heads = h * group + g
+    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(pos - window + 1, 0)
+    first_blk = tl.maximum(split * blocks_per_split, lo // block_size)
+    last_blk = tl.minimum((split + 1) * blocks_per_split, pos // block_size + 1)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for blk in range(first_blk, last_blk):
+        block_id = tl.load(block_tables_ptr + b * stride_bt + blk)
+        key_pos = blk * block_size + s
+        smask = (s < block_size) & (key_pos <= pos) & (key_pos >= lo)
+        base = block_id * stride_cb + s[:, None] * stride_cs + h * stride_ch + d[None, :]
+        kv_mask = smask[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)  # (S, D)
+        v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
+        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (G, S)
+        scores = tl.where(smask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_safe)
+        p = tl.exp(scores - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        m = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.maximum(l, 1e-30)[:, None]
+        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+    else:
+        # partials: (T, H, NUM_SPLITS, 2 + D) float32 = [max, sum, acc...]
+        row = ((t * (tl.num_programs(1) * group) + heads) * NUM_SPLITS + split) * (2 + head_dim)
+        tl.store(part_ptr + row, m, mask=gmask)
+        tl.store(part_ptr + row + 1, l, mask=gmask)
+        tl.store(part_ptr + row[:, None] + 2 + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+
+
+@triton.jit
+def _merge_splits_kernel(part_ptr, out_ptr, stride_ot, stride_oh, num_heads, head_dim,
+                         NUM_SPLITS: tl.constexpr, BLOCK_D: tl.constexpr):
+    t = tl.program_id(0)
+    hd = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < head_dim
+    sp = tl.arange(0, NUM_SPLITS)
+    rows = ((t * num_heads + hd) * NUM_SPLITS + sp) * (2 + head_dim)
+    m = tl.load(part_ptr + rows)
+    l = tl.load(part_ptr + rows + 1)
+    acc = tl.load(part_ptr + rows[:, None] + 2 + d[None, :], mask=dmask[None, :], other=0.0)
+    m_all = tl.max(m, axis=0)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+    w = tl.where(m == float("-inf"), 0.0, tl.exp(m - m_all))
+    total = tl.sum(l * w, axis=0)
+    out = tl.sum(acc * w[:, None], axis=0) / tl.maximum(total, 1e-30)
+    tl.store(out_ptr + t * stride_ot + hd * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=dmask)
+
+
+def _token_tables(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For every flattened query token: its sequence index and its position in that sequence."""
+    seqs, positions = [], []
+    for b, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+        seqs.extend([b] * q_len)
+        positions.extend(range(ctx - q_len, ctx))
+    return (torch.tensor(seqs, dtype=torch.int32, device=device),
+            torch.tensor(positions, dtype=torch.int32, device=device))
+
+
+def choose_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, target_programs: int = 256) -> int:
+    """Split the context when there are too few (token, head) programs to fill the device."""
+    if num_tokens * num_kv_heads >= target_programs or max_blocks < 2 * SPLIT_MIN_BLOCKS:
+        return 1
+    want = -(-target_programs // (num_tokens * num_kv_heads))
+    return int(min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks // SPLIT_MIN_BLOCKS), 16))
+
+
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                           num_splits: int | None = None) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    token_seq, token_pos = _token_tables(meta, q.device)
+    max_blocks = -(-meta.max_seq_len // block_size)
+    splits = num_splits or choose_num_splits(num_tokens, num_kv_heads, max_blocks)
+    blocks_per_split = -(-max_blocks // splits)
+    part = (torch.empty((num_tokens, num_heads, splits, 2 + head_dim), dtype=torch.float32, device=q.device)
+            if splits > 1 else out)
+    block_tables = meta.block_tables.to(device=q.device, dtype=torch.int32).contiguous()
+    BLOCK_D = triton.next_power_of_2(head_dim)
+    _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, part, token_seq, token_pos, block_tables,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        scale, sliding_window or 0, block_size, head_dim, group, blocks_per_split,
+        NUM_SPLITS=splits, BLOCK_G=triton.next_power_of_2(group), BLOCK_D=BLOCK_D,
+        BLOCK_S=triton.next_power_of_2(block_size), HAS_WINDOW=sliding_window is not None)
+    if splits > 1:
+        _merge_splits_kernel[(num_tokens, num_heads)](part, out, out.stride(0), out.stride(1), num_heads,
+                                                      head_dim, NUM_SPLITS=splits, BLOCK_D=BLOCK_D)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- RMSNorm
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, stride_x, stride_r, stride_o, stride_ro,
+                     hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+    # Math in fp32, rounded to the activation dtype where the reference rounds (after the residual add,
+    # after normalizing), so bf16 results match it to the last bit in most elements.
+    row = tl.program_id(0)
+    i = tl.arange(0, BLOCK)
+    mask = i < hidden
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + i, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x = x + tl.load(res_ptr + row * stride_r + i, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(dtype).to(tl.float32)
+        tl.store(res_out_ptr + row * stride_ro + i, x.to(dtype), mask=mask)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    normed = (x * inv).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_o + i, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                    residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Over the last dim of x (any leading shape: (T, hidden), or (T, H, D) for Qwen3's q/k norm)."""
+    shape, hidden = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, hidden)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    r2 = residual.reshape(-1, hidden).contiguous() if residual is not None else None
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(out) if residual is not None else None
+    if x2.shape[0] > 0:
+        r = r2 if r2 is not None else x2
+        ro = res_out if res_out is not None else out
+        _rms_norm_kernel[(x2.shape[0],)](x2, r, out, ro, weight, x2.stride(0), r.stride(0), out.stride(0),
+                                         ro.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None,
+                                         BLOCK=triton.next_power_of_2(hidden))
+    return out.view(shape), (res_out.view(shape) if res_out is not None else None)
+
+
+# ---------------------------------------------------------------------------------------------- rotary
+@triton.jit
+def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
+                   stride_c, half, BLOCK_H: tl.constexpr):
+    # fp32 math, rounded where the reference (which works in the activation dtype) rounds: the table on
+    # its cast, each product, the sum.
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    pos = tl.load(pos_ptr + t)
+    i = tl.arange(0, BLOCK_H)
+    mask = i < half
+    dtype = x_ptr.dtype.element_ty
+    base = x_ptr + t * stride_xt + h * stride_xh
+    x1 = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(base + half + i, mask=mask, other=0.0).to(tl.float32)
+    row = pos * stride_c
+    cos1 = tl.load(cos_ptr + row + i, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    cos2 = tl.load(cos_ptr + row + half + i, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin1 = tl.load(sin_ptr + row + i, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    sin2 = tl.load(sin_ptr + row + half + i, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    a1 = (x1 * cos1).to(dtype).to(tl.float32)
+    b1 = (x2 * sin1).to(dtype).to(tl.float32)
+    a2 = (x2 * cos2).to(dtype).to(tl.float32)
+    b2 = (x1 * sin2).to(dtype).to(tl.float32)
+    o = out_ptr + t * stride_ot + h * stride_oh
+    tl.store(o + i, (a1 - b1).to(dtype), mask=mask)
+    tl.store(o + half + i, (a2 + b2).to(dtype), mask=mask)
+
+
+def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+                  sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    num_tokens, _, head_dim = q.shape
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if num_tokens == 0:
+        return q_out, k_out
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_cache.stride() == sin_cache.stride()
+    half = head_dim // 2
+    for x, out in ((q, q_out), (k, k_out)):
+        _rotary_kernel[(num_tokens, x.shape[1])](x, out, positions, cos_cache, sin_cache, x.stride(0),
+                                                 x.stride(1), out.stride(0), out.stride(1), cos_cache.stride(0),
+                                                 half, BLOCK_H=triton.next_power_of_2(half))
+    return q_out, k_out
+
+
+def _make_ops():
+    from kernels import Ops
+
+    return Ops("triton", write_kv_triton, paged_attention_triton, rms_norm_triton, rotary_triton)
+
+
+TRITON_OPS = _make_ops()

@@ -1,0 +1,177 @@
+"""Every Triton kernel against its torch reference, under TRITON_INTERPRET=1 on CPU (set by conftest.py when
+there is no GPU), on the shapes that break paged kernels: ragged lengths, a sequence of length 1, lengths
+ending exactly on and one past a block boundary, chunked prefill over a cached prefix, GQA ratios 1/4/8,
+head dims 64/128/256, block sizes 16/32, split-K decode, sliding windows; fp32 and bf16.
+
+Tolerances: fp32 1e-5 (the kernels accumulate in fp32 like the references; only the order differs);
+bf16 2e-2 absolute and relative: one bf16 rounding step. The kernels round where the references round,
+but Triton's interpreter casts fp32 to bf16 by truncation where torch rounds to nearest, so on CPU a
+bf16 element may sit one ulp away from the reference.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kernels import AttentionMetadata, select_ops
+from kernels.kv_cache import write_kv_ref
+from kernels.norm import rms_norm_ref
+from kernels.paged_attention import paged_attention_ref
+from kernels.rotary import rotary_ref
+
+triton_ops = pytest.importorskip("kernels.triton_ops", reason="triton is not installed")  # it is, in CI
+
+TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def make_batch(query_lens, seq_lens, block_size, num_blocks, heads, kv_heads, head_dim, dtype, seed=0):
+    """A paged cache filled with random K/V for each sequence's context, blocks scattered at random."""
+    g = torch.Generator().manual_seed(seed)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    free = list(range(num_blocks))
+    random.Random(seed).shuffle(free)
+    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    slots = []
+    for b, (q_len, ctx) in enumerate(zip(query_lens, seq_lens)):
+        ids = [free.pop() for _ in range(-(-ctx // block_size))]
+        tables[b, : len(ids)] = torch.tensor(ids, dtype=torch.int32)
+        slots += [ids[p // block_size] * block_size + p % block_size for p in range(ctx - q_len, ctx)]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32), block_tables=tables, query_lens_host=list(query_lens),
+        seq_lens_host=list(seq_lens), max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+    q = torch.randn(sum(query_lens), heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, meta
+
+
+def check(a, b, dtype):
+    torch.testing.assert_close(a.float(), b.float(), **TOL[dtype])
+
+
+# ---------------------------------------------------------------------------------------------- attention
+DECODE_CASES = [  # (seq_lens, block_size): ragged; length 1; exactly on / one past a block boundary
+    ([1, 17, 40, 16, 33], 16),
+    ([32, 33, 1, 64, 65], 32),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])  # GQA ratios 1, 4, 8
+@pytest.mark.parametrize("seq_lens,block_size", DECODE_CASES)
+def test_decode_attention(seq_lens, block_size, heads, kv_heads, dtype):
+    q, kc, vc, meta = make_batch([1] * len(seq_lens), seq_lens, block_size, 64, heads, kv_heads, 64, dtype)
+    want = paged_attention_ref(q, kc, vc, meta, 0.125)
+    check(triton_ops.paged_attention_triton(q, kc, vc, meta, 0.125), want, dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_attention_head_dims(head_dim):
+    q, kc, vc, meta = make_batch([1, 1], [16, 23], 16, 8, 4, 2, head_dim, torch.float32)
+    scale = head_dim ** -0.5
+    check(triton_ops.paged_attention_triton(q, kc, vc, meta, scale), paged_attention_ref(q, kc, vc, meta, scale),
+          torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("splits", [2, 4, 8])
+def test_split_k_decode_matches_unsplit(splits, dtype):
+    """Flash-decoding: a long context at batch 2 split over several programs, merged exactly."""
+    q, kc, vc, meta = make_batch([1, 1], [300, 129], 16, 40, 8, 2, 64, dtype)
+    want = paged_attention_ref(q, kc, vc, meta, 0.125)
+    check(triton_ops.paged_attention_triton(q, kc, vc, meta, 0.125, num_splits=splits), want, dtype)
+    assert triton_ops.choose_num_splits(2, 2, 19) > 1  # this shape is split by default, too
+    assert triton_ops.choose_num_splits(512, 8, 19) == 1  # a large batch fills the device without
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
+def test_prefill_and_extend_attention(heads, kv_heads, dtype):
+    """Varlen chunks: a whole prompt; a chunk after a cached prefix (chunked prefill or prefix hit) ending
+    one past a block boundary; a one-token prompt; a decode in the same batch."""
+    query_lens = [20, 7, 1, 1, 16]
+    seq_lens = [20, 33, 1, 40, 48]
+    q, kc, vc, meta = make_batch(query_lens, seq_lens, 16, 64, heads, kv_heads, 64, dtype)
+    check(triton_ops.paged_attention_triton(q, kc, vc, meta, 0.125), paged_attention_ref(q, kc, vc, meta, 0.125),
+          dtype)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16])
+def test_sliding_window(window):
+    q, kc, vc, meta = make_batch([9, 1, 1], [30, 17, 50], 16, 64, 8, 2, 64, torch.float32)
+    want = paged_attention_ref(q, kc, vc, meta, 0.125, sliding_window=window)
+    check(triton_ops.paged_attention_triton(q, kc, vc, meta, 0.125, sliding_window=window), want, torch.float32)
+    check(triton_ops.paged_attention_triton(q, kc, vc, meta, 0.125, sliding_window=window, num_splits=2), want,
+          torch.float32)
+
+
+# ---------------------------------------------------------------------------------------------- the rest
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_write_kv_skips_padding(block_size, dtype):
+    g = torch.Generator().manual_seed(1)
+    k_ref = torch.randn(6, block_size, 2, 64, generator=g).to(dtype)
+    v_ref = torch.randn(6, block_size, 2, 64, generator=g).to(dtype)
+    k_tri, v_tri = k_ref.clone(), v_ref.clone()
+    slots = torch.tensor([0, block_size - 1, block_size, -1, 5 * block_size + 3, -1], dtype=torch.int64)
+    key = torch.randn(6, 2, 64, generator=g).to(dtype)
+    value = torch.randn(6, 2, 64, generator=g).to(dtype)
+    write_kv_ref(key, value, k_ref, v_ref, slots)
+    triton_ops.write_kv_triton(key, value, k_tri, v_tri, slots)
+    assert torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)  # a copy is exact, padding untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(with_residual, dtype):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(7, 96, generator=g).to(dtype)  # hidden not a power of two
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype)
+    res = torch.randn(7, 96, generator=g).to(dtype) if with_residual else None
+    want, want_res = rms_norm_ref(x, w, 1e-6, res)
+    got, got_res = triton_ops.rms_norm_triton(x, w, 1e-6, res)
+    check(got, want, dtype)
+    if with_residual:  # fp32: the same sum; bf16: one rounding apart at most (see the module docstring)
+        check(got_res, want_res, dtype)
+        if dtype == torch.float32:
+            assert torch.equal(got_res, want_res)
+    else:
+        assert got_res is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_rotary(head_dim, dtype):
+    g = torch.Generator().manual_seed(3)
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(512).float(), inv)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = emb.cos(), emb.sin()
+    q = torch.randn(9, 8, head_dim, generator=g).to(dtype)
+    k = torch.randn(9, 2, head_dim, generator=g).to(dtype)
+    pos = torch.tensor([0, 1, 2, 15, 16, 17, 300, 301, 511])
+    want_q, want_k = rotary_ref(q, k, pos, cos, sin)
+    got_q, got_k = triton_ops.rotary_triton(q, k, pos, cos, sin)
+    check(got_q, want_q, dtype)
+    check(got_k, want_k, dtype)
+
+
+def test_rms_norm_per_head_on_a_strided_view():
+    """Qwen3 normalizes q and k per head: a (T, H, D) view into the fused qkv projection."""
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(5, 3 * 4 * 32, generator=g)
+    q = qkv[:, : 4 * 32].view(5, 4, 32)
+    w = 1 + 0.1 * torch.randn(32, generator=g)
+    check(triton_ops.rms_norm_triton(q, w, 1e-6)[0], rms_norm_ref(q, w, 1e-6)[0], torch.float32)
+
+
+def test_select_ops_is_the_one_switch():
+    assert select_ops("auto", "cpu").name == "torch"
+    assert select_ops("triton", "cpu").name == "triton"
+    assert select_ops("auto", "cuda").name == "triton"
