@@ -2,8 +2,8 @@
 
 desired = ceil(total projected KV demand / (target_utilization x blocks per replica)), within min/max.
 Up at once when requests wait for KV or preemptions happen (at least one more replica); down only after
-`downscale_quiet_s` with no pressure and demand below target on the smaller fleet, one replica at a time
-(the next step down waits another quiet period after Ray's last scale-down). Pressure adds at most one
+`downscale_quiet_s` without pressure (nothing waiting for KV, no preemption, the fleet not fully needed),
+straight to the replicas the demand needs; a further step down waits another quiet period. Pressure adds at most one
 replica per `pressure_settle_s`, and none while one is still starting.
 A plain function of Ray Serve's AutoscalingContext; its memory lives in policy_state.
 """
@@ -58,11 +58,12 @@ def kv_autoscaling_policy(ctx: Any, target_utilization: float = 0.75, downscale_
         state["last_pressure_time"] = now
     if needed > current:
         return _decide(clamp(needed), current, "projected KV demand is over target", state, demand, needed)
-    # Down only after a quiet period since the last pressure and since the last step down. The answer
-    # stays the same on every call of that stretch: Ray applies it only once it has held downscale_delay_s.
+    # Down only after a quiet period since the last pressure and since the last step down, and then to
+    # what the demand needs at target utilization (not below it). The answer stays the same on every call
+    # of that stretch: Ray applies it only once it has held for downscale_delay_s.
     quiet_since = max(state.get("last_pressure_time", -math.inf), ctx.last_scale_down_time or -math.inf)
     if needed < current and now - quiet_since >= downscale_quiet_s:
-        return _decide(clamp(current - 1), current, f"quiet for {downscale_quiet_s:.0f} s and demand fits fewer",
+        return _decide(clamp(needed), current, f"quiet for {downscale_quiet_s:.0f} s and demand fits fewer",
                        state, demand, needed)
     return clamp(current), state
 
