@@ -47,7 +47,7 @@ from engine.block_manager import BlockManager  # noqa: E402
 from engine.kv_demand import projected_demand_blocks  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
-from engine.sequence import Sequence, SequenceStatus  # noqa: E402
+from engine.sequence import Sequence  # noqa: E402
 
 TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-2023"
 CONTROL_PERIOD_S = 0.1  # Ray's controller loop
@@ -256,31 +256,18 @@ class System:
 
 
 class KVRoute:
-    """serve_app.router's rule as KVAwareRouter applies it: stale stats plus what it sent since."""
+    """serve_app.router's rule as KVAwareRouter applies it (KVRouting): stale stats plus what it sent since."""
 
     def __init__(self) -> None:
-        from serve_app.router import PendingBook
+        from serve_app.router import KVRouting
 
-        self.book = PendingBook()
+        self.routing = KVRouting(seed=0)
 
     def __call__(self, replicas: list[SimReplica], req: Request, rng: random.Random) -> SimReplica | None:
-        from serve_app.router import rank_replicas
-
-        like = next((r.routing_stats for r in replicas if r.routing_stats), None)
-        views, unknown = [], []
-        for r in replicas:
-            v = self.book.view(r, r.routing_stats, like)
-            (views.append(v) if v is not None else unknown.append(r))
         bs = replicas[0].profile.block_size if replicas else 16
         need = -(-(req.prompt_len + req.output_len) // bs)  # from the prompt and max_tokens, as the router does
-        ranks = rank_replicas(views, need, None, rng)
-        if unknown:
-            return rng.choice(unknown)
-        if not ranks:
-            return None
-        chosen = ranks[0][0]
-        self.book.note(chosen, chosen.routing_stats, need)
-        return chosen
+        ranks = self.routing.choose([(r, r.routing_stats) for r in replicas], need, None)
+        return ranks[0][0] if ranks else None
 
 
 def make_request_count_route(max_ongoing: int):

@@ -10,9 +10,10 @@ The rules, all of them here:
    count reset, and it goes back to the front of the waiting queue (its generated tokens are kept and
    recomputed as if they were prompt). Preemptions are counted.
 3. Waiting sequences are admitted strictly first-come-first-served, and not at all in a step that
-   preempted. When the pool is what stops admission (or forced a preemption), the waiting sequences are
-   counted as waiting for KV: the autoscaler's signal that this replica is out of memory, not just busy. Admission takes any cached prefix (or, for samples 2..n of a request, the prompt blocks
-   sample 1 has computed) before asking the pool for fresh blocks.
+   preempted. Admission takes any cached prefix (or, for samples 2..n of a request, the prompt blocks
+   sample 1 has computed) before asking the pool for fresh blocks. When the pool is what stops admission
+   (or forced a preemption), the waiting sequences are counted as waiting for KV: the autoscaler's
+   signal that this replica is out of memory, not just busy.
 4. A request that can never fit is refused when it is added (see LLMEngine), never queued forever.
 """
 from __future__ import annotations

@@ -3,9 +3,10 @@
 desired = ceil(total projected KV demand / (target_utilization x blocks per replica)), within min/max.
 Up at once when requests wait for KV or preemptions happen (at least one more replica); down only after
 `downscale_quiet_s` without pressure (nothing waiting for KV, no preemption, the fleet not fully needed),
-straight to the replicas the demand needs; a further step down waits another quiet period. Pressure adds at most one
-replica per `pressure_settle_s`, and none while one is still starting.
-A plain function of Ray Serve's AutoscalingContext; its memory lives in policy_state.
+straight to the replicas the demand needs; a further step down waits another quiet period. Pressure adds
+at most one replica per `pressure_settle_s`, and none while one is still starting.
+A plain function of Ray Serve's AutoscalingContext (KVAutoscalingPolicy hands it its settings); its memory
+lives in policy_state.
 """
 from __future__ import annotations
 

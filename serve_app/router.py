@@ -85,7 +85,7 @@ class ReplicaView:
 
 def rank_replicas(views: Sequence[ReplicaView], need_blocks: int, fingerprint: str | None,
                   rng: random.Random) -> list[list[Any]]:
-    """Ranks of replica keys, most preferred first. Replicas without stats yet rank after those with."""
+    """Ranks of replica keys, most preferred first; [] when no replica should take the request now."""
     open_views = [v for v in views if v.takes(need_blocks)]
     if not open_views:
         return []
@@ -138,6 +138,32 @@ class PendingBook:
             del self._entries[key]
 
 
+class KVRouting:
+    """The routing state and decision without Ray: KVAwareRouter and bench/autoscale_sim.py both use it."""
+
+    def __init__(self, seed: Any = None) -> None:
+        self.rng = random.Random(seed)
+        self.book = PendingBook()
+
+    def choose(self, candidates: Sequence[tuple[Any, dict[str, Any] | None]], need: int,
+               fingerprint: str | None) -> list[list[Any]]:
+        """candidates: (key, routing stats or None). Ranks of keys; the first choice is booked."""
+        self.book.forget_missing([key for key, _ in candidates])
+        like = next((stats for _, stats in candidates if stats and "free_blocks" in stats), None)
+        views, unknown = [], []
+        for key, stats in candidates:
+            v = self.book.view(key, stats, like)
+            (views.append(v) if v is not None else unknown.append(key))
+        if unknown:  # nobody has reported yet (the deployment just started): any of them
+            self.rng.shuffle(unknown)
+            return [[key] for key in unknown]
+        ranks = rank_replicas(views, need, fingerprint, self.rng)
+        if ranks:  # Ray tries the first rank first; count it there (a retry elsewhere is rare)
+            first = ranks[0][0]
+            self.book.note(first, dict(candidates)[first], need)
+        return ranks
+
+
 class KVAwareRouter(FIFOMixin, RequestRouter):
     """Ray Serve request router for the engine deployment; runs in the caller (ingress) process.
 
@@ -147,35 +173,19 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
     """
 
     def initialize_state(self, **kwargs: Any) -> None:
-        self._rng = random.Random(kwargs.get("seed"))
-        self._book = PendingBook()
+        self._routing = KVRouting(kwargs.get("seed"))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        if not hasattr(self, "_book"):
+        if not hasattr(self, "_routing"):
             self.initialize_state()
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # every replica was a candidate: back off
-        book = self._book
-        book.forget_missing([r.replica_id for r in candidate_replicas])
-        by_id = {r.replica_id: r for r in candidate_replicas}
-        like = next((r.routing_stats for r in candidate_replicas if r.routing_stats
-                     and "free_blocks" in r.routing_stats), None)
-        views, unknown = [], []
-        for r in candidate_replicas:
-            v = book.view(r.replica_id, r.routing_stats, like)
-            (views.append(v) if v is not None else unknown.append(r))
         payload = pending_request.args[0] if pending_request and pending_request.args else {}
         payload = payload if isinstance(payload, dict) else {}
         block_size = int(next((r.routing_stats.get("block_size", 16) for r in candidate_replicas
                                if r.routing_stats), 16))
-        need = estimate_blocks(payload, block_size)
-        ranks = [[by_id[key] for key in rank] for rank in
-                 rank_replicas(views, need, prefix_fingerprint(payload), self._rng)]
-        if unknown:  # nobody has reported yet (the deployment just started): any of them
-            self._rng.shuffle(unknown)
-            return [[r] for r in unknown]
-        if ranks:  # Ray tries the first rank first; count it there (a retry elsewhere is rare)
-            first = ranks[0][0]
-            book.note(first.replica_id, first.routing_stats, need)
-        return ranks
+        by_id = {r.replica_id: r for r in candidate_replicas}
+        ranks = self._routing.choose([(r.replica_id, r.routing_stats) for r in candidate_replicas],
+                                     estimate_blocks(payload, block_size), prefix_fingerprint(payload))
+        return [[by_id[key] for key in rank] for rank in ranks]

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import OrderedDict
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 

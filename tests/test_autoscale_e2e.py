@@ -19,22 +19,16 @@ import asyncio
 import json
 import math
 import random
-import socket
 import threading
 import time
 
 import httpx
 import pytest
+from helpers import free_port, wait_until_serving
 
 pytestmark = pytest.mark.slow
 
 BLOCKS, BLOCK = 96, 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def cluster():
     from ray import serve
 
     ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
     serve.shutdown()
@@ -68,16 +62,6 @@ def _wait_until(predicate, timeout: float, what: str, poll: float = 0.5):
             return value
         time.sleep(poll)
     pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
-
-
-def _wait_healthy(base: str, timeout: float = 300) -> None:
-    def up():
-        try:
-            return httpx.get(f"{base}/v1/models", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    _wait_until(up, timeout, f"{base} to answer")
 
 
 class ReplicaWatch:
@@ -162,7 +146,7 @@ def test_scale_from_zero_reports_cold_start(cluster, make_tiny_model):
                          "num_replicas": None, "min_replicas": 0, "max_replicas": 1, "downscale_quiet_s": 1,
                          "engine_num_cpus": 0.5}),
               name="zero", route_prefix="/zero", blocking=False)
-    _wait_healthy(f"{cluster}/zero")
+    wait_until_serving([f"{cluster}/zero/v1/models"], 300, "the min_replicas=0 app")
     _wait_until(lambda: _running_replicas("zero") == 0 or None, 120, "the idle app to scale to zero")
 
     async def main():
@@ -193,7 +177,7 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
                          "max_replicas": 2, "kv_target_utilization": 0.9, "downscale_quiet_s": 15,
                          "graceful_shutdown_timeout_s": 120}),
               name="kv", route_prefix="/kv", blocking=False)
-    _wait_healthy(f"{cluster}/kv")
+    wait_until_serving([f"{cluster}/kv/v1/models"], 300, "the autoscaling app")
     url = f"{cluster}/kv/v1/completions"
     watch = ReplicaWatch("kv")
     rng = random.Random(0)

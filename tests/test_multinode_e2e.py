@@ -7,19 +7,13 @@ the one HTTP proxy and must be answered by both replicas, with the same greedy t
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 
 import httpx
 import pytest
+from helpers import free_port, wait_until_serving
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,22 +41,13 @@ def test_replicas_on_two_nodes_behind_one_endpoint(two_node_cluster, make_tiny_m
     from serve_app import build_app
 
     cluster, workers = two_node_cluster
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
     serve.run(build_app({"model": make_tiny_model("llama"), "served_model_name": "tiny", "dtype": "float32",
                          "num_kv_blocks": 64, "max_model_len": 256, "torch_threads": 1, "num_replicas": 2,
                          "engine_num_cpus": 1}), name="multi", route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        pytest.fail("the app did not come up on the two-node cluster within 300 s")
+    wait_until_serving([f"{base}/v1/models"], 300, "the app on the two-node cluster")
 
     engines = [a for a in list_actors(filters=[("state", "=", "ALIVE")]) if "KVEngine" in (a.name or "")]
     assert len(engines) == 2

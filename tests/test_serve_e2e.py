@@ -6,21 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 
 import httpx
 import pytest
+from helpers import free_port, wait_until_serving
 
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +25,7 @@ def server(make_tiny_model):
     from serve_app import build_app
 
     ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    port = _free_port()
+    port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app({"model": "default", "num_kv_blocks": 256, "max_model_len": 1024, "torch_threads": 1,
                          "engine_num_cpus": 1}), name="main", route_prefix="/", blocking=False)
@@ -41,17 +35,7 @@ def server(make_tiny_model):
                          "max_num_seqs": 1, "max_waiting_requests": 1, "torch_threads": 1}),
               name="secure", route_prefix="/secure", blocking=False)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        try:
-            if all(httpx.get(f"{base}{p}/health", timeout=2).status_code == 200 for p in ("", "/secure")):
-                if httpx.get(f"{base}/v1/models", timeout=5).status_code == 200:
-                    break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        pytest.fail("the serve apps did not come up within 300 s")
+    wait_until_serving([f"{base}/health", f"{base}/secure/health", f"{base}/v1/models"], 300, "the serve apps")
     yield base
     serve.shutdown()
     ray.shutdown()

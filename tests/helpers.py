@@ -1,0 +1,27 @@
+"""Small helpers the end-to-end tests share (plain functions; pytest puts tests/ on sys.path)."""
+from __future__ import annotations
+
+import socket
+import time
+
+import httpx
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until_serving(urls: list[str], timeout: float, what: str) -> None:
+    """Until every url answers 200 (Ray Serve apps take a while to come up on 2 cores), or fail saying so."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if all(httpx.get(url, timeout=5).status_code == 200 for url in urls):
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    pytest.fail(f"{what} did not come up within {timeout:.0f} s")
