@@ -19,6 +19,9 @@ def engine_deployment_options(config: ServeConfig) -> dict[str, Any]:
         name="KVEngine",
         ray_actor_options={"num_cpus": config.engine_num_cpus, "num_gpus": config.engine_num_gpus},
         max_ongoing_requests=config.max_ongoing_requests,
+        # The router holds a request in its caller when no replica has room; at most this many per
+        # caller, past which Ray refuses it and the ingress answers 503 + Retry-After.
+        max_queued_requests=config.max_waiting_requests,
         graceful_shutdown_timeout_s=config.graceful_shutdown_timeout_s,
         health_check_period_s=10,
         request_router_config=RequestRouterConfig(request_router_class="serve_app.router:KVAwareRouter",

@@ -35,7 +35,9 @@ class ServeConfig(BaseModel):
     api_key: str | None = Field(None, description="If set, every /v1 route needs `Authorization: Bearer <key>`.")
     max_request_body_bytes: int = Field(4 << 20, description="Larger request bodies get 413.")
     max_waiting_requests: int = Field(512, description="A replica with this many requests not yet at their first "
-                                                       "token answers 503 with Retry-After instead of queueing more.")
+                                                       "token gets no more; each ingress holds at most this many "
+                                                       "more for a replica with room, the rest get 503 with "
+                                                       "Retry-After.")
     max_prompts_per_request: int = Field(64, description="Most prompts in one /v1/completions list.")
     max_n: int = Field(16, description="Largest `n` a request may ask for.")
 
