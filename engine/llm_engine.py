@@ -114,7 +114,11 @@ class LLMEngine:
                 raise ValueError("a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids'")
             prompt = prompt.get("prompt", prompt.get("prompt_token_ids"))
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            try:
+                return prompt, self.tokenizer.encode(prompt)
+            except Exception as e:  # e.g. a lone UTF-16 surrogate, which JSON can carry but text cannot hold
+                raise ValueError(f"the prompt is not valid text ({type(e).__name__}); send well-formed Unicode "
+                                 "or token ids") from None
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             vocab = self.runner.vocab_size
             bad = [t for t in prompt if not 0 <= t < vocab]
@@ -127,6 +131,10 @@ class LLMEngine:
         """Validate and queue. Raises ValueError for a request that can never run; nothing is queued then."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        vocab = self.runner.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}); got "
+                             f"{[t for t in params.stop_token_ids if t >= vocab][:5]}")
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty: it needs at least one token")

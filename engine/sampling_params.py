@@ -1,7 +1,10 @@
 """SamplingParams: how one request is decoded (vLLM's field names and meanings)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_N = 1024  # a hard ceiling; servers set their own, lower one (ServeConfig.max_n)
 
 
 @dataclass
@@ -27,46 +30,64 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self._stop_list = [s for s in (self.stop or []) if s]
+        if self.stop is not None and not isinstance(self.stop, (list, tuple)):
+            raise ValueError(f"stop must be a string or a list of strings; got {self.stop!r}")
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"stop_token_ids must be a list of non-negative token ids; got {self.stop_token_ids!r}")
+        self._stop_list = [s for s in (self.stop or []) if isinstance(s, str) and s]
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
         self._validate()
 
     def _validate(self) -> None:
+        """ValueError naming the field for anything out of range, of the wrong type, NaN or infinite: whatever a
+        client sends is refused here, before it can reach (and break) a step shared with other requests."""
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}; got {getattr(self, name)!r}")
 
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", "an integer >= 1")
-        if self.temperature < 0:
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def real(name: str) -> float:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise bad(name, "a finite number")
+            return v
+
+        if not is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise bad("n", f"an integer in [1, {MAX_N}]")
+        if real("temperature") < 0:
             raise bad("temperature", ">= 0 (0 means greedy)")
-        if not 0.0 < self.top_p <= 1.0:
+        if not 0.0 < real("top_p") <= 1.0:
             raise bad("top_p", "in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
+        if not is_int(self.top_k) or self.top_k < -1:
             raise bad("top_k", "-1 (disabled) or an integer >= 1")
-        if not 0.0 <= self.min_p <= 1.0:
+        if not 0.0 <= real("min_p") <= 1.0:
             raise bad("min_p", "in [0, 1]")
-        if self.repetition_penalty <= 0:
+        if real("repetition_penalty") <= 0:
             raise bad("repetition_penalty", "> 0 (1 disables it)")
-        if not -2.0 <= self.presence_penalty <= 2.0:
+        if not -2.0 <= real("presence_penalty") <= 2.0:
             raise bad("presence_penalty", "in [-2, 2]")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
+        if not -2.0 <= real("frequency_penalty") <= 2.0:
             raise bad("frequency_penalty", "in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1 or None")
-        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
             raise bad("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+        if any(not is_int(t) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative token ids")
         if any(not isinstance(s, str) for s in (self.stop or [])):
             raise bad("stop", "a string or a list of strings")
-        if self.seed is not None and not isinstance(self.seed, int):
+        if self.seed is not None and not is_int(self.seed):
             raise bad("seed", "an integer or None")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= 20):
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "an integer in [0, 20] or None")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "true or false")
 
     @property
     def is_greedy(self) -> bool:
