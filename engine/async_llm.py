@@ -3,7 +3,8 @@
     async for out in llm.generate(prompt, params, request_id): ...
 
 Each yielded RequestOutput carries the text and tokens new since the previous one (text_delta,
-token_ids_delta). Leaving the loop early, or cancelling the task, aborts the request and frees its blocks.
+token_ids_delta); outputs that pile up while the caller is busy are merged into one, so a loaded server
+sends fewer, larger chunks instead of falling further behind. Leaving the loop early, or cancelling the task, aborts the request and frees its blocks.
 """
 from __future__ import annotations
 
@@ -56,6 +57,8 @@ class AsyncLLM:
         try:
             while True:
                 item = await stream.get()
+                while not isinstance(item, BaseException) and not stream.empty():
+                    item = _merge(item, stream.get_nowait())  # a slow reader gets one item, not a backlog
                 if isinstance(item, BaseException):
                     raise item
                 if item.error:
@@ -124,3 +127,16 @@ class AsyncLLM:
         for request_id in list(self.engine.requests):
             self.engine.abort_request(request_id)
             self._deliver(request_id, RuntimeError("the engine shut down"))
+
+
+def _merge(older: RequestOutput, newer: RequestOutput | BaseException) -> RequestOutput | BaseException:
+    """One output standing for two consecutive ones: the newer state, with both deltas."""
+    if isinstance(newer, BaseException) or newer.error:
+        return newer
+    by_index = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        prev = by_index.get(c.index)
+        if prev is not None:
+            c.text_delta = prev.text_delta + c.text_delta
+            c.token_ids_delta = prev.token_ids_delta + c.token_ids_delta
+    return newer

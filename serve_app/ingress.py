@@ -17,16 +17,53 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
+from ray.serve.exceptions import BackPressureError
 
 from serve_app.config import ServeConfig
 from serve_app.metrics import get_board, render, replica_identity
-from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest
+from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse
 
 logger = logging.getLogger("ray.serve")
 
 fastapi_app = FastAPI(title="kvscale", description="OpenAI-compatible API over kvscale's engine on Ray Serve")
+
+_ERRORS = {status: {"model": ErrorResponse, "description": what} for status, what in (
+    (400, "invalid request (the message and `param` say which field and why)"),
+    (401, "missing or wrong API key"), (404, "no such model"), (413, "request body over the size limit"),
+    (503, "no replica can take the request now; retry after `Retry-After` seconds"))}
+_AUTH_ERRORS = {401: _ERRORS[401]}
+
+
+def _json_body(model) -> dict[str, Any]:
+    """OpenAPI for a route that reads its own body (under the size cap) and validates it as `model`."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def _openapi() -> dict[str, Any]:
+    """FastAPI's document plus the request models the routes validate by hand, so clients and fuzzers
+    (tests/test_reliability_e2e.py runs schemathesis on it) see the real bodies."""
+    if fastapi_app.openapi_schema is None:
+        schema = get_openapi(title=fastapi_app.title, version="0.1.0", description=fastapi_app.description,
+                             routes=fastapi_app.routes)
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in (CompletionRequest, ChatCompletionRequest):
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+        schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        for path, item in schema["paths"].items():
+            if path.startswith("/v1/"):
+                for op in item.values():
+                    op["security"] = [{"bearer": []}, {}]  # needed only when the server sets api_key
+        fastapi_app.openapi_schema = schema
+    return fastapi_app.openapi_schema
+
+
+fastapi_app.openapi = _openapi
 
 
 def _error_response(e: APIError) -> JSONResponse:
@@ -121,13 +158,13 @@ class OpenAIIngress:
         snapshots = await self._board.get_all.remote()
         return PlainTextResponse(render(snapshots), media_type="text/plain; version=0.0.4")
 
-    @fastapi_app.get("/v1/models")
+    @fastapi_app.get("/v1/models", responses=_AUTH_ERRORS)
     async def models(self, request: Request) -> dict[str, Any]:
         self._authorize(request)
         return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
                                             "owned_by": "kvscale"}]}
 
-    @fastapi_app.post("/v1/completions")
+    @fastapi_app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest), responses=_ERRORS)
     async def completions(self, request: Request):
         self._authorize(request)
         req: CompletionRequest = self._parse(CompletionRequest, await self._read_json(request))
@@ -140,7 +177,8 @@ class OpenAIIngress:
                     for i, p in enumerate(prompts)]
         return await self._serve(rid, "completion", req, payloads)
 
-    @fastapi_app.post("/v1/chat/completions")
+    @fastapi_app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest),
+                      responses=_ERRORS)
     async def chat_completions(self, request: Request):
         self._authorize(request)
         req: ChatCompletionRequest = self._parse(ChatCompletionRequest, await self._read_json(request))
@@ -162,6 +200,10 @@ class OpenAIIngress:
         except StopAsyncIteration:
             _cancel(streams)
             raise APIError(500, "the engine ended a stream without output", code="engine_error") from None
+        except BackPressureError:
+            _cancel(streams)
+            raise APIError(503, "every engine replica is full and this server already holds as many requests as "
+                                "it may for them; retry shortly", code="queue_full", retry_after=1) from None
         except Exception as e:
             _cancel(streams)
             raise APIError(503, f"no engine replica could take the request: {type(e).__name__}",

@@ -1,9 +1,12 @@
 """OpenAI request bodies (plus vLLM's extras) and OpenAI-shaped errors."""
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+INT64_MAX = 2**63 - 1  # integers past int64 are nobody's real value; refuse them before they reach the engine
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
 
 
 class APIError(Exception):
@@ -30,6 +33,19 @@ class APIError(Exception):
         return cls(d["status"], d["message"], d.get("param"), d.get("code"), d.get("retry_after"))
 
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """What every 4xx/5xx body looks like (OpenAI's shape)."""
+
+    error: ErrorInfo
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
@@ -42,24 +58,24 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=INT64_MAX)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM's extras
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = Field(-1, ge=-1, le=INT64_MAX)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
-    stop_token_ids: list[int] | None = None
+    min_tokens: int = Field(0, ge=0, le=INT64_MAX)
+    stop_token_ids: list[TokenId] | None = None
     skip_special_tokens: bool = True
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -75,7 +91,7 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
@@ -93,5 +109,5 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     add_generation_prompt: bool = True

@@ -216,3 +216,25 @@ def test_failed_step_fails_only_its_requests_and_frees_blocks(llm, monkeypatch):
     monkeypatch.setattr(engine.runner, "execute", real)
     assert_all_free(llm)
     assert llm.generate(prompts(1), SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids
+
+
+def test_failed_step_spares_requests_outside_it(make_tiny_model, monkeypatch):
+    llm = LLM(model=make_tiny_model("llama"), dtype="float32", device="cpu", num_kv_blocks=32, max_model_len=128,
+              max_num_seqs=1, show_progress=False)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    expected = llm.generate([prompts(2)[1]], params)[0].outputs[0].token_ids
+    engine.add_request("in-step", prompts(2)[0], params)
+    engine.add_request("waiting", prompts(2)[1], params)  # max_num_seqs=1: not in the first step
+    real = engine.runner.execute
+    monkeypatch.setattr(engine.runner, "execute", lambda batch: (_ for _ in ()).throw(RuntimeError("injected")))
+    outs = engine.step()
+    assert [o.request_id for o in outs] == ["in-step"] and "injected" in outs[0].error
+    monkeypatch.setattr(engine.runner, "execute", real)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            assert o.error is None
+            done[o.request_id] = o
+    assert done["waiting"].outputs[0].token_ids == expected  # untouched by its neighbour's failure
+    assert_all_free(llm)
