@@ -1,7 +1,9 @@
 """Attention and fused ops behind one interface; `select_ops` is the one place a backend is chosen.
 
 Every op has a plain torch reference (`*_ref`) with the signature its Triton kernel keeps. The CPU path
-uses the references; CUDA uses the Triton kernels where they exist.
+uses the references, except attention, which goes through torch's fused SDPA (same semantics, checked
+against the reference), and linear layers, which go through oneDNN (kernels/linear.py); CUDA uses the
+Triton kernels where they exist and cuBLAS for linear layers.
 """
 from __future__ import annotations
 
@@ -9,9 +11,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kernels.kv_cache import write_kv_ref
+from kernels.linear import linear_cpu, linear_ref
 from kernels.metadata import AttentionMetadata
 from kernels.norm import rms_norm_ref
-from kernels.paged_attention import paged_attention_ref
+from kernels.paged_attention import paged_attention_ref, paged_attention_sdpa
 from kernels.rotary import rotary_ref
 
 __all__ = ["AttentionMetadata", "Ops", "select_ops"]
@@ -24,9 +27,13 @@ class Ops:
     paged_attention: Callable
     rms_norm: Callable
     rotary: Callable
+    linear: Callable
 
 
-TORCH_OPS = Ops("torch", write_kv_ref, paged_attention_ref, rms_norm_ref, rotary_ref)
+# The CPU path. Attention is the reference's semantics through torch's fused SDPA (paged_attention_sdpa,
+# checked against paged_attention_ref); REFERENCE_OPS is the plain form every other path is checked against.
+TORCH_OPS = Ops("torch", write_kv_ref, paged_attention_sdpa, rms_norm_ref, rotary_ref, linear_cpu)
+REFERENCE_OPS = Ops("reference", write_kv_ref, paged_attention_ref, rms_norm_ref, rotary_ref, linear_ref)
 
 
 def select_ops(backend: str, device_type: str) -> Ops:

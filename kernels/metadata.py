@@ -6,7 +6,8 @@ query_start_loc[b]:query_start_loc[b+1], the last of which sits at position seq_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -21,6 +22,8 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     max_query_len: int
     max_seq_len: int
+    plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # per-step work an op
+    # derives from the above and every layer would otherwise rebuild (index tensors, masks)
 
     @property
     def num_seqs(self) -> int:

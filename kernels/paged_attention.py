@@ -82,3 +82,99 @@ def paged_attention_ref(
             q_len, num_heads, head_dim
         )
     return out
+
+
+def _decode_buckets(lengths: list[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Indices of decode rows grouped by context length, longest first, so each group pads to its own
+    longest: a group closes when the next row is more than `max_waste` shorter than the group's first."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and lengths[i] >= (1 - max_waste) * lengths[groups[-1][0]]:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def _sdpa_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None, device) -> list[tuple]:
+    """What paged_attention_sdpa does for this step, as index tensors and masks. Every layer of a step
+    asks the same, so it is built once per step and kept on the metadata."""
+    key = ("sdpa", block_size, sliding_window)
+    if key in meta.plans:
+        return meta.plans[key]
+    starts = [0]
+    for n in meta.query_lens_host:
+        starts.append(starts[-1] + n)
+    plan: list[tuple] = []
+    decode = [b for b, n in enumerate(meta.query_lens_host) if n == 1]
+    for group in _decode_buckets([meta.seq_lens_host[b] for b in decode]):
+        rows = [decode[i] for i in group]
+        lens = [meta.seq_lens_host[b] for b in rows]
+        nb = -(-lens[0] // block_size)
+        ids = meta.block_tables[torch.tensor(rows, device=meta.block_tables.device), :nb].reshape(-1).long()
+        mask = None
+        if sliding_window is not None or any(n != nb * block_size for n in lens):
+            seq_lens = torch.tensor(lens, device=device)
+            key_pos = torch.arange(nb * block_size, device=device)
+            allowed = key_pos[None, :] < seq_lens[:, None]
+            if sliding_window is not None:
+                allowed &= key_pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
+            mask = allowed[:, None, None, :]  # (B, 1, 1, Lk)
+        plan.append(("decode", torch.tensor([starts[b] for b in rows], device=device), ids.to(device), nb, mask))
+    for b, q_len in enumerate(meta.query_lens_host):
+        if q_len == 1:
+            continue
+        ctx = meta.seq_lens_host[b]
+        nb = -(-ctx // block_size)
+        ids = meta.block_tables[b, :nb].long().to(device)
+        mask = None  # None: plain causal (a whole prompt, no cached prefix)
+        if ctx != q_len or sliding_window is not None:
+            q_pos = torch.arange(ctx - q_len, ctx, device=device)[:, None]
+            key_pos = torch.arange(ctx, device=device)[None, :]
+            mask = key_pos <= q_pos
+            if sliding_window is not None:
+                mask &= key_pos > q_pos - sliding_window
+        plan.append(("prefill", starts[b], q_len, ctx, ids, nb, mask))
+    meta.plans[key] = plan
+    return plan
+
+
+def paged_attention_sdpa(
+    q: torch.Tensor,  # (T, H, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # (T, H, D)
+    """The CPU path: the reference's semantics through torch's fused scaled_dot_product_attention, which on
+    CPU runs a flash-attention kernel (no (Lq, Lk) score tensor per head in memory, GQA without repeating
+    K/V). Decode rows go in groups of similar context length, so little time is spent on padding; each
+    group's blocks are gathered with one index_select. Checked against paged_attention_ref in tests."""
+    import torch.nn.functional as F
+
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    gqa = num_heads != num_kv_heads
+
+    def gather(cache: torch.Tensor, ids: torch.Tensor, rows: int, nb: int) -> torch.Tensor:  # (B, Hkv, L, D)
+        return cache.index_select(0, ids).view(rows, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+    for step in _sdpa_plan(meta, block_size, sliding_window, q.device):
+        if step[0] == "decode":
+            _, token_idx, ids, nb, mask = step
+            rows = len(token_idx)
+            k, v = gather(k_cache, ids, rows, nb), gather(v_cache, ids, rows, nb)
+            res = F.scaled_dot_product_attention(q[token_idx].unsqueeze(2), k, v, attn_mask=mask, scale=scale,
+                                                 enable_gqa=gqa)  # (B, H, 1, D)
+            out[token_idx] = res.squeeze(2)
+        else:
+            _, start, q_len, ctx, ids, nb, mask = step
+            k, v = gather(k_cache, ids, 1, nb)[:, :, :ctx], gather(v_cache, ids, 1, nb)[:, :, :ctx]
+            qb = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # (1, H, Lq, D)
+            res = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                                 enable_gqa=gqa)
+            out[start : start + q_len] = res[0].transpose(0, 1)
+    return out

@@ -18,7 +18,7 @@ import torch
 from kernels import AttentionMetadata, select_ops
 from kernels.kv_cache import write_kv_ref
 from kernels.norm import rms_norm_ref
-from kernels.paged_attention import paged_attention_ref
+from kernels.paged_attention import _decode_buckets, paged_attention_ref, paged_attention_sdpa
 from kernels.rotary import rotary_ref
 
 triton_ops = pytest.importorskip("kernels.triton_ops", reason="triton is not installed")  # it is, in CI
@@ -109,6 +109,49 @@ def test_sliding_window(window):
     check(triton_ops.paged_attention_triton(q, kc, vc, meta, 0.125, sliding_window=window), want, torch.float32)
     check(triton_ops.paged_attention_triton(q, kc, vc, meta, 0.125, sliding_window=window, num_splits=2), want,
           torch.float32)
+
+
+# ------------------------------------------------------------------- the CPU path: fused SDPA vs reference
+SDPA_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("query_lens,seq_lens,block_size", [
+    ([1] * 5, [1, 17, 40, 16, 33], 16),  # ragged decode, length 1, on and one past a block boundary
+    ([1] * 5, [32, 33, 1, 64, 65], 32),
+    ([1] * 6, [300, 290, 120, 100, 7, 5], 16),  # several length groups
+    ([20, 7, 1, 1, 16], [20, 33, 1, 40, 48], 16),  # whole prompt, chunk after a cached prefix, mixed decode
+])
+@pytest.mark.parametrize("window", [None, 5])
+def test_cpu_sdpa_attention_matches_reference(query_lens, seq_lens, block_size, heads, kv_heads, dtype, window):
+    q, kc, vc, meta = make_batch(query_lens, seq_lens, block_size, 64, heads, kv_heads, 64, dtype)
+    got = paged_attention_sdpa(q, kc, vc, meta, 0.125, sliding_window=window)
+    want = paged_attention_ref(q, kc, vc, meta, 0.125, sliding_window=window)
+    torch.testing.assert_close(got.float(), want.float(), **SDPA_TOL[dtype])
+
+
+def test_decode_buckets_cover_every_row_once_and_bound_padding():
+    lengths = [random.Random(i).randint(1, 500) for i in range(100)]
+    groups = _decode_buckets(lengths, max_waste=0.25)
+    assert sorted(i for g in groups for i in g) == list(range(100))
+    for g in groups:
+        longest = lengths[g[0]]
+        assert all(lengths[i] <= longest and lengths[i] >= 0.75 * longest for i in g)
+    assert select_ops("auto", "cpu").paged_attention is paged_attention_sdpa
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])
+def test_cpu_linear_matches_f_linear(rows, dtype):
+    from kernels.linear import linear_cpu, linear_ref
+
+    g = torch.Generator().manual_seed(rows)
+    x, w, b = (torch.randn(*shape, generator=g).to(dtype) for shape in ((rows, 96), (200, 96), (200,)))
+    for bias in (None, b):
+        torch.testing.assert_close(linear_cpu(x, w, bias).float(), linear_ref(x, w, bias).float(),
+                                   **{torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: TOL[torch.bfloat16]}[dtype])
+    assert select_ops("auto", "cpu").linear is linear_cpu
 
 
 # ---------------------------------------------------------------------------------------------- the rest

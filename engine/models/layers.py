@@ -86,7 +86,8 @@ class Attention(nn.Module):
 
     def forward(self, hidden, positions, rope, kv_cache, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv = self.ops.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # (T, H, D)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # (T, Hkv, D)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -97,26 +98,28 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, ops: Ops) -> None:
         super().__init__()
+        self.ops = ops
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        linear = self.ops.linear
+        gate, up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).split(self.intermediate_size, dim=-1)
+        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, layer_idx: int, ops: Ops) -> None:
         super().__init__()
         self.self_attn = Attention(spec, layer_idx, ops)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, ops)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
@@ -155,7 +158,7 @@ class DecoderForCausalLM(nn.Module):
 
     def __init__(self, hf_config: Any, spec: DecoderSpec, ops: Ops, max_positions: int) -> None:
         super().__init__()
-        self.spec = spec
+        self.spec, self.ops = spec, ops
         self.model = DecoderModel(spec, ops)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.hf_config, self.max_positions = hf_config, max_positions
@@ -172,7 +175,7 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # (N, hidden) -> (N, vocab) float32
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.ops.linear(hidden, weight).float()
 
     def _shard_sizes(self, merged: str) -> list[int]:
         s = self.spec
