@@ -154,6 +154,14 @@ def test_cpu_linear_matches_f_linear(rows, dtype):
     assert select_ops("auto", "cpu").linear is linear_cpu
 
 
+def test_cpu_linear_pads_rows_to_a_bounded_set_of_shapes():
+    from kernels.linear import row_bucket
+
+    buckets = {row_bucket(m) for m in range(1, 4097)}
+    assert len(buckets) <= 80  # oneDNN caches a primitive per shape: this bounds its memory (< its 1024)
+    assert all(m <= row_bucket(m) <= m * 1.125 for m in range(1, 4097))
+
+
 # ---------------------------------------------------------------------------------------------- the rest
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])
