@@ -19,17 +19,11 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.loadgen import run_load  # noqa: E402
+from bench.loadgen import replica_metrics, run_load  # noqa: E402
 
 
 def kv_blocks(base: str) -> dict[str, tuple[float, float]]:
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    free, total = {}, {}
-    for line in text.splitlines():
-        for name, into in (("num_free_blocks", free), ("num_total_blocks", total)):
-            if line.startswith(f"kvscale:{name}{{"):
-                labels, value = line.rsplit(" ", 1)
-                into[labels.split('replica="', 1)[1].split('"', 1)[0]] = float(value)
+    free, total = replica_metrics(base, "num_free_blocks"), replica_metrics(base, "num_total_blocks")
     return {r: (free.get(r, -1), total[r]) for r in total}
 
 
@@ -40,9 +34,9 @@ def start_local_app(model: str, replicas: int, kv_blocks_per_replica: int) -> st
     from serve_app import build_app
 
     if model == "tiny":
-        from bench.soak import tiny_model
+        from bench.models import tiny_llama
 
-        model = tiny_model(Path("/tmp/kvscale-soak-tiny"))
+        model = tiny_llama(Path("/tmp/kvscale-tiny"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

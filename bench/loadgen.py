@@ -49,6 +49,16 @@ class LoadResult:
                 f"p99 {pct(self.latency_s, .99):.2f} s")
 
 
+def replica_metrics(base_url: str, name: str) -> dict[str, float]:
+    """{replica: value} of one `kvscale:<name>` metric on the app's /metrics (one series per replica)."""
+    out = {}
+    for line in httpx.get(f"{base_url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(f"kvscale:{name}{{"):
+            labels, value = line.rsplit(" ", 1)
+            out[labels.split('replica="', 1)[1].split('"', 1)[0]] = float(value)
+    return out
+
+
 def request_body(model: str, rng: random.Random, max_prompt_words: int, max_tokens: tuple[int, int]) -> dict:
     words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, max_prompt_words)))
     return {"model": model, "prompt": words, "max_tokens": rng.randint(*max_tokens), "temperature": 0.8,

@@ -29,28 +29,6 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def tiny_model(path: Path) -> str:
-    """A random-init Llama (seed 0) with the default model's tokenizer, saved as a real checkpoint."""
-    import shutil
-
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from engine.default_model import default_model_dir
-
-    if not (path / "model.safetensors").exists():
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                          bos_token_id=1, eos_token_id=2)
-        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            src = Path(default_model_dir()) / name
-            if src.exists():
-                shutil.copy(src, path / name)
-    return str(path)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--minutes", type=float, default=5.0)
@@ -69,7 +47,9 @@ def main() -> None:
     from engine.sampling_params import SamplingParams
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
-    model = tiny_model(Path(os.environ.get("TMPDIR", "/tmp")) / "kvscale-soak-tiny") if args.model == "tiny" \
+    from bench.models import tiny_llama
+
+    model = tiny_llama(Path(os.environ.get("TMPDIR", "/tmp")) / "kvscale-tiny") if args.model == "tiny" \
         else args.model
     engine = LLMEngine(EngineConfig(model=model, dtype="float32", device="cpu", num_kv_blocks=args.blocks,
                                     max_model_len=min(512, args.blocks * 16), max_num_seqs=32,

@@ -39,32 +39,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 # ---------------------------------------------------------------- models and workload
 
-def llama_125m(path: Path) -> str:
-    """A Llama-shaped model of about 125M parameters (random init, seed 0), saved as a real checkpoint."""
-    import shutil
-
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    from engine.default_model import default_model_dir
-
-    if not (path / "config.json").exists():
-        torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=49152, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
-                          num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=2048,
-                          tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, initializer_range=0.02)
-        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (Path(default_model_dir()) / name).exists():
-                shutil.copy(Path(default_model_dir()) / name, path / name)
-    return str(path)
-
-
 def resolve_model(name: str) -> str:
     if name == "default":
         from engine.default_model import default_model_dir
 
         return default_model_dir()
     if name == "llama-125m":
+        from bench.models import llama_125m
+
         return llama_125m(Path(os.environ.get("TMPDIR", "/tmp")) / "kvscale-llama-125m")
     return name
 
@@ -203,7 +185,6 @@ class StepTimer:
         self.kind_counts: dict[str, int] = defaultdict(int)
         self._last_decode_only = False
         engine, runner = llm.engine, llm.engine.runner
-        self._wrap(engine.scheduler, "schedule", "scheduling")
         self._wrap(runner, "prepare", "input preparation")
         runner.sampler = _TimedCall(runner.sampler, self._timed(runner.sampler, "sampling"))
         self._wrap(runner.model, "compute_logits", "LM head (logits)")
@@ -231,7 +212,9 @@ class StepTimer:
         real_schedule = engine.scheduler.schedule
 
         def schedule():
+            t = time.perf_counter()
             batch = real_schedule()
+            self.seconds["scheduling"] += time.perf_counter() - t
             self.batch_sizes.append(len(batch.seqs))
             self._last_decode_only = all(n == 1 for n in batch.num_new_tokens)
             return batch
@@ -287,7 +270,7 @@ def wrap_detokenizer(timer: StepTimer) -> None:
 
 # ---------------------------------------------------------------- systems
 
-def run_ours(path: str, dtype: str, work: Workload, runs: int, threads: int):
+def run_ours(path: str, dtype: str, work: Workload, runs: int):
     from engine import LLM, SamplingParams
 
     total_tokens = max(len(p) + o for p, o in zip(work.prompts, work.output_lens))
@@ -338,11 +321,10 @@ def run_ours(path: str, dtype: str, work: Workload, runs: int, threads: int):
             "kv_bytes": kv_bytes, "weight_bytes": weight_bytes, "spec": spec}
 
 
-def _hf_model(path: str, dtype: str, attn: str | None = None):
+def _hf_model(path: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"attn_implementation": attn} if attn else {}
-    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **kwargs).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
 
 
 def run_hf_static(path: str, dtype: str, work: Workload, runs: int, batch: int):
@@ -438,7 +420,7 @@ def main() -> None:
           f"warm-up excluded")
 
     results: dict[str, dict] = {}
-    ours = run_ours(path, args.dtype, work, args.runs, args.threads) if "ours" in systems else None
+    ours = run_ours(path, args.dtype, work, args.runs) if "ours" in systems else None
     if ours:
         results["ours"] = ours
     if "hf-static" in systems:

@@ -4,7 +4,8 @@
 
 Each yielded RequestOutput carries the text and tokens new since the previous one (text_delta,
 token_ids_delta); outputs that pile up while the caller is busy are merged into one, so a loaded server
-sends fewer, larger chunks instead of falling further behind. Leaving the loop early, or cancelling the task, aborts the request and frees its blocks.
+sends fewer, larger chunks instead of falling further behind. Leaving the loop early, or cancelling the
+task, aborts the request and frees its blocks.
 """
 from __future__ import annotations
 

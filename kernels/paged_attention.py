@@ -7,6 +7,7 @@ engine's CPU path uses it and the Triton kernels are checked against it.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kernels.metadata import AttentionMetadata
 
@@ -152,8 +153,6 @@ def paged_attention_sdpa(
     CPU runs a flash-attention kernel (no (Lq, Lk) score tensor per head in memory, GQA without repeating
     K/V). Decode rows go in groups of similar context length, so little time is spent on padding; each
     group's blocks are gathered with one index_select. Checked against paged_attention_ref in tests."""
-    import torch.nn.functional as F
-
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)

@@ -16,7 +16,7 @@ import pytest
 from helpers import free_port, wait_until_serving
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is a folder of scripts, not a package
-from bench.loadgen import ERROR_KEYS, run_load, stream_one  # noqa: E402
+from bench.loadgen import ERROR_KEYS, replica_metrics, run_load, stream_one  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -55,32 +55,23 @@ def server(make_tiny_model):
     ray.shutdown()
 
 
-def _per_replica(base: str, name: str) -> dict[str, float]:
-    text = httpx.get(f"{base}/metrics", timeout=10).text
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(f"kvscale:{name}{{"):
-            labels, value = line.rsplit(" ", 1)
-            out[labels.split('replica="', 1)[1].split('"', 1)[0]] = float(value)
-    return out
-
-
 def _wait_replicas(base: str, n: int, timeout: float, exclude: set[str] = frozenset()) -> set[str]:
     deadline = time.time() + timeout
     while time.time() < deadline:
-        live = set(_per_replica(base, "num_total_blocks")) - set(exclude)
-        if len(live) == n and not set(_per_replica(base, "num_total_blocks")) & set(exclude):
+        live = set(replica_metrics(base, "num_total_blocks")) - set(exclude)
+        if len(live) == n and not set(replica_metrics(base, "num_total_blocks")) & set(exclude):
             return live
         time.sleep(0.5)
     raise AssertionError(f"expected {n} live replicas (none of {exclude}); /metrics shows "
-                         f"{sorted(_per_replica(base, 'num_total_blocks'))}")
+                         f"{sorted(replica_metrics(base, 'num_total_blocks'))}")
 
 
 def _wait_all_free(base: str, timeout: float = 10.0) -> dict[str, float]:
     deadline = time.time() + timeout
     while True:
-        free, total = _per_replica(base, "num_free_blocks"), _per_replica(base, "num_total_blocks")
-        running, waiting = _per_replica(base, "num_requests_running"), _per_replica(base, "num_requests_waiting")
+        free, total = replica_metrics(base, "num_free_blocks"), replica_metrics(base, "num_total_blocks")
+        running = replica_metrics(base, "num_requests_running")
+        waiting = replica_metrics(base, "num_requests_waiting")
         if total and free == total and not any(running.values()) and not any(waiting.values()):
             return free
         if time.time() > deadline:
@@ -284,7 +275,7 @@ def test_hundreds_of_concurrent_streams_all_finish_or_fail_cleanly(server):
     assert result.ok >= LOAD_CLIENTS, result.summary()  # every client got through at least once, on average
     free = _wait_all_free(server, timeout=15)
     assert len(free) == REPLICAS
-    print(f"preemptions during load: {_per_replica(server, 'num_preemptions_total')}")
+    print(f"preemptions during load: {replica_metrics(server, 'num_preemptions_total')}")
 
 
 # ---------------------------------------------------------------- disconnects
@@ -366,7 +357,8 @@ def test_killing_a_replica_mid_stream_fails_only_its_streams_and_service_recover
 
 
 def _streams_per_replica(base: str) -> dict[str, float]:
-    running, waiting = _per_replica(base, "num_requests_running"), _per_replica(base, "num_requests_waiting")
+    running = replica_metrics(base, "num_requests_running")
+    waiting = replica_metrics(base, "num_requests_waiting")
     return {r: running[r] + waiting.get(r, 0) for r in running}
 
 

@@ -1,0 +1,38 @@
+"""Random-init Llama checkpoints for the benchmarks (seed 0), saved as real safetensors folders with the
+default model's tokenizer beside them, so the engine and HF load them exactly as they load a real model."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def random_llama(path: Path, **config) -> str:
+    """Saves (once) and returns a LlamaConfig(vocab 49152, bos 1, eos 2, **config) model at `path`."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from engine.default_model import default_model_dir
+
+    if not (path / "model.safetensors").exists():
+        torch.manual_seed(0)
+        cfg = LlamaConfig(**{"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, **config})
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+        for name in TOKENIZER_FILES:
+            if (Path(default_model_dir()) / name).exists():
+                shutil.copy(Path(default_model_dir()) / name, path / name)
+    return str(path)
+
+
+def tiny_llama(path: Path) -> str:
+    """2 layers of hidden 64: fast steps, for soak and load tests of everything but the model."""
+    return random_llama(path, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, max_position_embeddings=1024)
+
+
+def llama_125m(path: Path) -> str:
+    """A Llama-shaped model of 123M parameters: 12 layers, hidden 768, GQA 12/4, tied embeddings."""
+    return random_llama(path, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                        num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True,
+                        initializer_range=0.02)
