@@ -25,6 +25,7 @@ class EngineConfig:
     kv_cache_bytes: int | None = None  # CPU budget for the KV pool; None: DEFAULT_CPU_KV_CACHE_BYTES
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs (CPU steps are always eager)
     show_progress: bool = True
 
     def __post_init__(self) -> None:

@@ -84,6 +84,7 @@ class LLMEngine:
         if self.max_model_len > max_positions:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({max_positions})")
+        self.runner.capture_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.requests: dict[str, RequestState] = {}

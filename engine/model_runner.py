@@ -74,6 +74,7 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
         self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
+        self.graphs = None  # DecodeGraphs once capture_decode_graphs has run (CUDA + Triton, not enforce_eager)
         logger.info("model on %s in %s; KV pool %d blocks x %d tokens (%.1f MiB)", self.device, self.dtype,
                     self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
@@ -108,6 +109,17 @@ class ModelRunner:
             self.model.compute_logits(hidden[: min(n, self.config.max_num_seqs)])
         peak = torch.cuda.max_memory_allocated(self.device) - before
         return int(peak * 2)
+
+    def capture_decode_graphs(self, max_model_len: int) -> None:
+        """On CUDA with the Triton ops, capture decode steps as CUDA graphs (engine/cuda_graphs.py). Called by
+        the engine once max_model_len is known, since attention is captured for the longest context."""
+        if self.device.type != "cuda" or self.config.enforce_eager or self.ops.name != "triton":
+            return
+        from engine.cuda_graphs import DecodeGraphs, capture_sizes
+
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, sizes=capture_sizes(self.config.max_num_seqs),
+                                   max_model_len=max_model_len, block_size=self.block_size, device=self.device)
+        self.graphs.capture()
 
     # ---- one step ----
     def prepare(self, batch: ScheduledBatch
@@ -145,7 +157,10 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput | None]:
         """Run one step. Returns the batch rows that sampled and what they sampled."""
         input_ids, positions, meta, sample_rows, logits_idx = self.prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.graphs is not None and self.graphs.can_run(meta):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_rows:
             return [], None
         logits = self.model.compute_logits(hidden[logits_idx])

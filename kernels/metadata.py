@@ -22,6 +22,11 @@ class AttentionMetadata:
     seq_lens_host: list[int]
     max_query_len: int
     max_seq_len: int
+    # Optional device-side token tables (sequence index and position of every query token). A kernel that
+    # needs them builds them from the host lists when absent; the CUDA-graph path fills them into static
+    # buffers, because nothing may be built from host lists inside a captured graph.
+    token_seq: torch.Tensor | None = None  # (T,) int32
+    token_pos: torch.Tensor | None = None  # (T,) int32
     plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # per-step work an op
     # derives from the above and every layer would otherwise rebuild (index tensors, masks)
 

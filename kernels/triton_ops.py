@@ -140,6 +140,8 @@ def _merge_splits_kernel(part_ptr, out_ptr, stride_ot, stride_oh, num_heads, hea
 
 def _token_tables(meta: AttentionMetadata, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """For every flattened query token: its sequence index and its position in that sequence."""
+    if meta.token_seq is not None and meta.token_pos is not None:
+        return meta.token_seq, meta.token_pos
     seqs, positions = [], []
     for b, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
         seqs.extend([b] * q_len)

@@ -27,6 +27,8 @@ class ServeConfig(BaseModel):
     max_num_seqs: int = Field(256, description="Most sequences running in one step.")
     max_num_batched_tokens: int = Field(2048, description="Token budget of one step (chunked prefill).")
     max_model_len: int | None = Field(None, description="Longest prompt + output; None: model and pool limit.")
+    enforce_eager: bool = Field(False, description="CUDA: run decode steps eagerly instead of replaying CUDA "
+                                                   "graphs (CPU steps are always eager).")
     enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
     seed: int = Field(0, description="Seed of the engine's sampler for unseeded requests.")
     torch_threads: int | None = Field(None, description="CPU threads for torch in each replica; None: torch default.")
@@ -70,6 +72,7 @@ class ServeConfig(BaseModel):
             gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             enable_prefix_caching=self.enable_prefix_caching, seed=self.seed, show_progress=False,
+            enforce_eager=self.enforce_eager,
         )
 
     @property
