@@ -74,6 +74,7 @@ class ModelRunner:
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
         self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
+        self.attention_scratch: dict = {}  # reused gather buffers of the CPU attention (AttentionMetadata.scratch)
         self.graphs = None  # DecodeGraphs once capture_decode_graphs has run (CUDA + Triton, not enforce_eager)
         logger.info("model on %s in %s; KV pool %d blocks x %d tokens (%.1f MiB)", self.device, self.dtype,
                     self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
@@ -149,7 +150,7 @@ class ModelRunner:
             slot_mapping=slot_mapping.to(dev), query_start_loc=cu.to(dev),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev), block_tables=block_tables.to(dev),
             query_lens_host=list(query_lens), seq_lens_host=seq_lens,
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
+            max_query_len=max(query_lens), max_seq_len=max(seq_lens), scratch=self.attention_scratch,
         )
         return torch.tensor(input_ids, device=dev), positions.to(dev), meta, sample_rows, logits_idx.to(dev)
 

@@ -27,6 +27,9 @@ class AttentionMetadata:
     # buffers, because nothing may be built from host lists inside a captured graph.
     token_seq: torch.Tensor | None = None  # (T,) int32
     token_pos: torch.Tensor | None = None  # (T,) int32
+    # Buffers an op may reuse across steps (the runner passes the same dict every step): on CPU a fresh
+    # multi-MiB tensor per layer costs more in page faults than the copy that fills it.
+    scratch: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
     plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # per-step work an op
     # derives from the above and every layer would otherwise rebuild (index tensors, masks)
 

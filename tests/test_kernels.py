@@ -10,6 +10,8 @@ bf16 element may sit one ulp away from the reference.
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import random
 
 import pytest
@@ -21,7 +23,45 @@ from kernels.norm import rms_norm_ref
 from kernels.paged_attention import _decode_buckets, paged_attention_ref, paged_attention_sdpa
 from kernels.rotary import rotary_ref
 
-triton_ops = pytest.importorskip("kernels.triton_ops", reason="triton is not installed")  # it is, in CI
+# Where the Triton kernels run: Triton's interpreter on CPU tensors (CI, any machine), or compiled on the
+# GPU when scripts/gpu_check.sh sets KVSCALE_KERNEL_DEVICE=cuda. References always run on CPU.
+DEVICE = torch.device("cuda" if os.environ.get("KVSCALE_KERNEL_DEVICE") == "cuda" else "cpu")
+
+
+def _to(x, dev: torch.device):
+    if isinstance(x, torch.Tensor):
+        return x.to(dev)
+    if isinstance(x, AttentionMetadata):
+        return dataclasses.replace(x, plans={}, **{f: getattr(x, f).to(dev) for f in
+                                                   ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
+    if isinstance(x, tuple):
+        return tuple(_to(y, dev) for y in x)
+    return x
+
+
+class _KernelsOn:
+    """kernels.triton_ops with every *_triton call run on DEVICE: inputs moved there, results moved back, and
+    tensors a kernel updates in place (the KV write's caches) copied back. On CPU, the module itself."""
+
+    def __init__(self, module) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._module, name)
+        if DEVICE.type == "cpu" or not name.endswith("_triton"):
+            return fn
+
+        def on_device(*args, **kwargs):
+            moved = [_to(a, DEVICE) for a in args]
+            out = fn(*moved, **{k: _to(v, DEVICE) for k, v in kwargs.items()})
+            for a, m in zip(args, moved):
+                if isinstance(a, torch.Tensor):
+                    a.copy_(m.cpu())
+            return _to(out, torch.device("cpu"))
+        return on_device
+
+
+triton_ops = _KernelsOn(pytest.importorskip("kernels.triton_ops", reason="triton is not installed"))  # it is, in CI
 
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
 
