@@ -2,7 +2,7 @@
 
 Greedy tokens from a random Llama must be the same with `enforce_eager=True` and with decode steps
 replayed from CUDA graphs, for batches that hit a captured size exactly, need padding, and exceed the
-largest size, and (fp32) the same as HF transformers on CPU. Run by scripts/gpu_check.sh.
+most sequences a step may hold, and (fp32) the same as HF transformers on CPU. Run by scripts/gpu_check.sh.
 """
 from __future__ import annotations
 
@@ -43,7 +43,9 @@ def main() -> None:
     max_new = 24
     failures = 0
     for dtype in ("float32", "bfloat16"):
-        for batch in (1, 3, 8, 13, 40):  # 8: a captured size; 3, 13: padded; 40 > max_num_seqs' largest graph
+        # 8: a captured size; 3, 13: padded to 4, 16; 40 > max_num_seqs (32): requests wait and join as others
+        # finish, so prefill steps (eager) interleave with graph-replayed decode steps
+        for batch in (1, 3, 8, 13, 40):
             prompts = [[rng.randrange(3, 49152) for _ in range(rng.randrange(1, 70))] for _ in range(batch)]
             lens = [rng.randrange(1, max_new + 1) for _ in range(batch)]
             params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lens]
