@@ -52,10 +52,11 @@ def timer(device: torch.device):
 
 
 def copy_bandwidth(device: torch.device, measure) -> float:
+    """Bytes/s of a large tensor copy (read + write), well past the caches; `measure(fn)` -> seconds."""
     n = (1 << 28) if device.type == "cuda" else (64 << 20)  # 1 GiB / 256 MiB of float32
     a = torch.ones(n, dtype=torch.float32, device=device)
     b = torch.empty_like(a)
-    return 2 * a.numel() * 4 / measure(lambda: b.copy_(a), repeats=10)
+    return 2 * a.numel() * 4 / measure(lambda: b.copy_(a))
 
 
 def decode_case(batch: int, ctx: int, heads: int, kv_heads: int, head_dim: int, block_size: int, dtype, device):

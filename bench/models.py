@@ -1,5 +1,6 @@
 """Random-init Llama checkpoints for the benchmarks (seed 0), saved as real safetensors folders with the
-default model's tokenizer beside them, so the engine and HF load them exactly as they load a real model."""
+default model's tokenizer beside them, so the engine and HF load them exactly as they load a real model;
+and HF transformers' greedy fp32 tokens on a checkpoint, the reference the engine is held to."""
 from __future__ import annotations
 
 import shutil
@@ -36,3 +37,19 @@ def llama_125m(path: Path) -> str:
     return random_llama(path, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                         num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=True,
                         initializer_range=0.02)
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """HF `generate`, greedy, fp32, EOS ignored, one prompt at a time: `max_new` new tokens per prompt."""
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
+            outs.append(out[0, len(p):].tolist())
+    return outs

@@ -34,6 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
+from bench.kernels import copy_bandwidth  # noqa: E402
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -81,13 +83,6 @@ def _best_time(fn, repeats: int = 7) -> float:
         fn()
         times.append(time.perf_counter() - t)
     return min(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes/s of a large tensor copy (read + write), well past the caches."""
-    a = torch.empty(64 * 2**20, dtype=torch.float32).fill_(1.0)  # 256 MiB
-    b = torch.empty_like(a)
-    return 2 * a.numel() * 4 / _best_time(lambda: b.copy_(a))
 
 
 def matmul_rate(shapes: list[tuple[str, int, int]], tokens: int, dtype: torch.dtype) -> dict[str, float]:
@@ -429,7 +424,7 @@ def main() -> None:
     if "hf-cb" in systems:
         results["hf-cb (generate_batch manager)"] = run_hf_cb(path, args.dtype, work, args.hf_runs)
 
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cpu"), _best_time)
     spec = ours["spec"] if ours else None
     tput = {name: work.output_tokens / statistics.median(r["times"]) for name, r in results.items()}
     best_hf = max((v for k, v in tput.items() if k != "ours"), default=None)

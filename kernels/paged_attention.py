@@ -143,8 +143,8 @@ def _sdpa_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | N
 
 def _scratch(meta: AttentionMetadata, name: str, num_blocks: int, cache: torch.Tensor) -> torch.Tensor:
     """A (num_blocks, block_size, Hkv, D) buffer for gathered blocks, reused by every layer and, through the
-    runner's meta.scratch, every step. A fresh tensor of this size each layer costs more in page faults than
-    the gather's copy (bench/kernels.py: 6x at batch 64 x 1024 tokens). It grows with a quarter of headroom
+    runner's meta.scratch, every step. Past glibc's mmap threshold (32 MiB) a fresh tensor each layer is
+    mapped anew and costs more in page faults than the gather's copy itself. It grows with a quarter of headroom
     and stays as large as the largest step's longest group: at most a layer's share of the KV pool."""
     key = ("paged_attention_gather", name, cache.dtype, cache.device)
     buf = meta.scratch.get(key)

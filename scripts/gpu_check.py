@@ -16,22 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.models import random_llama  # noqa: E402
+from bench.models import hf_greedy, random_llama  # noqa: E402
 from engine import LLM, SamplingParams  # noqa: E402
-
-
-def hf_greedy(path: str, prompts: list[list[int]], max_new: int) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-            outs.append(out[0, len(p):].tolist())
-    return outs
 
 
 def main() -> None:

@@ -3,11 +3,16 @@ support, across batch shapes: plain batches, chunked prefill, prefix-cache hits,
 from __future__ import annotations
 
 import random
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is a folder of scripts, not a package
+from bench.models import hf_greedy  # noqa: E402
 
 VARIANTS = {
     "llama-gqa": ("llama", {}),
@@ -32,20 +37,6 @@ def _prompts(seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, 7, 16, 17, 33, 50)]
 
 
-def _hf_greedy(path: str, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    gen = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=None, pad_token_id=0)
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
-            outs.append(out[0, len(p):].tolist())
-    return outs
-
-
 def _ours(path: str, prompts, **engine_kwargs) -> tuple[list[list[int]], LLM]:
     llm = LLM(model=path, dtype="float32", device="cpu", show_progress=False, **engine_kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True)
@@ -62,7 +53,7 @@ def hf_reference(make_tiny_model):
         prompts = prompts if prompts is not None else _prompts(prompts_seed)
         key = (variant, repr(prompts))
         if key not in cache:
-            cache[key] = _hf_greedy(path, prompts)
+            cache[key] = hf_greedy(path, prompts, MAX_NEW)
         return path, prompts, cache[key]
 
     return get
