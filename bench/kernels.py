@@ -148,6 +148,40 @@ def kernel_rows(device: torch.device, dtype: torch.dtype, measure) -> list[dict]
     return rows
 
 
+def attention_sweep_rows(dtype: torch.dtype, measure) -> list[dict]:
+    """CUDA: the Triton attention's tile sizes, warps and pipeline stages, timed on the largest decode shape
+    and on the prefill shape, so the defaults in kernels.triton_ops.attention_tiling rest on a measurement."""
+    import itertools
+
+    from kernels.triton_ops import paged_attention_triton
+
+    device, elem = torch.device("cuda"), torch.empty(0, dtype=dtype).element_size()
+    rows = []
+    q, kc, vc, meta = decode_case(256, 4096, 32, 8, 128, 16, dtype, device)
+    nbytes = 2 * 256 * 4096 * 8 * 128 * elem
+
+    def timed(fn, **kw) -> float:
+        try:
+            return measure(fn, **kw)
+        except Exception as e:  # a variant past the device's shared memory, say: say so, keep sweeping
+            print(f"  variant failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            return float("inf")
+
+    for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)):
+        t = timed(lambda: paged_attention_triton(q, kc, vc, meta, 0.088, block_n=block_n, num_warps=warps,
+                                                 num_stages=stages))
+        rows.append({"case": "decode 256 x 4096", "block_m": 1, "block_n": block_n, "warps": warps,
+                     "stages": stages, "us": t * 1e6, "GBps": nbytes / t / 1e9})
+    q, kc, vc, meta = prefill_case(2048, 32, 8, 128, 16, dtype, device)
+    flops = 2 * 2048 * 2048 * 32 * 128
+    for block_m, block_n, warps, stages in itertools.product((16, 32), (32, 64), (4, 8), (2, 3)):
+        t = timed(lambda: paged_attention_triton(q, kc, vc, meta, 0.088, block_m=block_m, block_n=block_n,
+                                                 num_warps=warps, num_stages=stages), repeats=10)
+        rows.append({"case": "prefill 2048", "block_m": block_m, "block_n": block_n, "warps": warps,
+                     "stages": stages, "us": t * 1e6, "TFLOPs": flops / t / 1e12})
+    return rows
+
+
 def decode_graph_rows(dtype: torch.dtype) -> list[dict]:
     """Decode tokens/s of a random 8-layer Llama at several batch sizes, eager and with CUDA graphs."""
     import tempfile
@@ -182,6 +216,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--decode-graphs", action="store_true", help="CUDA: also decode steps, eager vs CUDA graphs")
+    ap.add_argument("--sweep", action="store_true", help="CUDA: also time the attention kernel's tile choices")
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     device = torch.device(args.device)
@@ -202,6 +237,17 @@ def main() -> None:
         print(f"\npaged decode attention at {big['kernel'].split('attention')[1].strip()}: "
               f"{big['GBps'] * 1e9 / bw:.0%} of copy bandwidth (target >= 70 %)")
     figures = {"device": name, "dtype": str(dtype), "copy_bandwidth_GBps": bw / 1e9, "kernels": rows}
+    if args.sweep:
+        if device.type != "cuda":
+            raise SystemExit("--sweep needs CUDA: it times the Triton kernel's compiled variants")
+        sweep = attention_sweep_rows(dtype, measure)
+        print("\n| attention sweep | BLOCK_M | BLOCK_N | warps | stages | us | GB/s or TFLOP/s |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for r in sweep:
+            rate = f"{r['GBps']:.0f} GB/s ({r['GBps'] * 1e9 / bw:.0%})" if "GBps" in r else f"{r['TFLOPs']:.1f} TFLOP/s"
+            print(f"| {r['case']} | {r['block_m']} | {r['block_n']} | {r['warps']} | {r['stages']} | "
+                  f"{r['us']:.0f} | {rate} |")
+        figures["attention_sweep"] = sweep
     if args.decode_graphs:
         if device.type != "cuda":
             raise SystemExit("--decode-graphs needs CUDA: CPU steps are always eager")

@@ -14,6 +14,8 @@ are what `kernels.select_ops` picks.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -21,6 +23,9 @@ import triton.language as tl
 from kernels.metadata import AttentionMetadata
 
 SPLIT_MIN_BLOCKS = 8  # contexts shorter than this many blocks per split are not split
+# Triton's interpreter (CPU tests) computes tl.dot wrongly on bf16 operands (seen with triton 3.9), so there
+# the attention kernel upcasts them and multiplies in fp32; compiled on a GPU, bf16 goes to the matrix units.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ---------------------------------------------------------------------------------------------- KV write
@@ -60,62 +65,89 @@ def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
 # ---------------------------------------------------------------------------------------------- attention
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr,
-                            token_seq_ptr, token_pos_ptr, block_tables_ptr,
+                            token_seq_ptr, token_pos_ptr, tile_seq_ptr, tile_tok_ptr, tile_len_ptr,
+                            block_tables_ptr,
                             stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_cb, stride_cs, stride_ch, stride_bt,
-                            scale, window, block_size, head_dim, group, blocks_per_split,
-                            NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_S: tl.constexpr, HAS_WINDOW: tl.constexpr):
-    t = tl.program_id(0)
+                            scale, window, block_size, head_dim, group, keys_per_split, num_heads,
+                            NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
+                            BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                            HAS_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr):
+    tile = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
-    b = tl.load(token_seq_ptr + t)
-    pos = tl.load(token_pos_ptr + t)  # the query's own position: keys 0..pos are visible
-    g = tl.arange(0, BLOCK_G)
+    if BLOCK_M == 1:  # decode: a tile is one token (the CUDA-graph path fills token_seq/token_pos only)
+        b = tl.load(token_seq_ptr + tile)
+        tok0 = tile
+        n_tok = 1
+    else:  # a tile is up to BLOCK_M consecutive tokens of one sequence
+        b = tl.load(tile_seq_ptr + tile)
+        tok0 = tl.load(tile_tok_ptr + tile)
+        n_tok = tl.load(tile_len_ptr + tile)
+    # rows: (token of the tile, query head of this KV head's group), padded to BLOCK_R >= 16 for tl.dot
+    r = tl.arange(0, BLOCK_R)
+    r_tok = r // BLOCK_G
+    r_g = r % BLOCK_G
+    r_valid = (r_tok < n_tok) & (r_g < group)
+    t = tok0 + r_tok
+    pos = tl.load(token_pos_ptr + t, mask=r_valid, other=-1)  # each query's own position: keys 0..pos
+    head = h * group + r_g
     d = tl.arange(0, BLOCK_D)
-    s = tl.arange(0, BLOCK_S)
-    gmask = g < group
     dmask = d < head_dim
-    heads = h * group + g
-    q = tl.load(q_ptr + t * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=gmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    lo = 0
-    if HAS_WINDOW:
-        lo = tl.maximum(pos - window + 1, 0)
-    first_blk = tl.maximum(split * blocks_per_split, lo // block_size)
-    last_blk = tl.minimum((split + 1) * blocks_per_split, pos // block_size + 1)
+    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=r_valid[:, None] & dmask[None, :], other=0.0)
 
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
-    for blk in range(first_blk, last_blk):
-        block_id = tl.load(block_tables_ptr + b * stride_bt + blk)
-        key_pos = blk * block_size + s
-        smask = (s < block_size) & (key_pos <= pos) & (key_pos >= lo)
-        base = block_id * stride_cb + s[:, None] * stride_cs + h * stride_ch + d[None, :]
-        kv_mask = smask[:, None] & dmask[None, :]
-        k = tl.load(k_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)  # (S, D)
-        v = tl.load(v_cache_ptr + base, mask=kv_mask, other=0.0).to(tl.float32)
-        scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # (G, S)
-        scores = tl.where(smask[None, :], scores, float("-inf"))
+    # the keys this program reads: its split of the context, cut to what any of its rows can see
+    k_hi = tl.minimum((split + 1) * keys_per_split, tl.max(pos, axis=0) + 1)
+    k_lo = split * keys_per_split
+    if HAS_WINDOW:
+        lo_row = tl.maximum(pos - window + 1, 0)
+        k_lo = tl.maximum(k_lo, tl.min(tl.where(r_valid, lo_row, 1 << 30), axis=0))
+    else:
+        lo_row = tl.zeros([BLOCK_R], tl.int32)
+
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_R], tl.float32)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    n = tl.arange(0, BLOCK_N)
+    for start in range(k_lo, k_hi, BLOCK_N):
+        key_pos = start + n
+        nmask = key_pos < k_hi
+        block_id = tl.load(block_tables_ptr + b * stride_bt + key_pos // block_size, mask=nmask, other=0)
+        row = block_id.to(tl.int64) * stride_cb + (key_pos % block_size) * stride_cs + h * stride_ch
+        kv_mask = nmask[:, None] & dmask[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (N, D)
+        v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE_DOT:  # fp32 activations (or Triton's interpreter): full fp32 products, as the reference
+            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:  # bf16/fp16 on the matrix units, fp32 accumulation
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale  # (R, N)
+        visible = (key_pos[None, :] <= pos[:, None]) & (key_pos[None, :] >= lo_row[:, None]) & nmask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         p = tl.exp(scores - m_safe[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        if IEEE_DOT:  # p rounded to V's dtype first, as on the matrix units
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32),
+                                                input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m = m_new
 
+    omask = r_valid[:, None] & dmask[None, :]
     if NUM_SPLITS == 1:
         out = acc / tl.maximum(l, 1e-30)[:, None]
-        tl.store(out_ptr + t * stride_ot + heads[:, None] * stride_oh + d[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=gmask[:, None] & dmask[None, :])
+        tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=omask)
     else:
         # partials: (T, H, NUM_SPLITS, 2 + D) float32 = [max, sum, acc...]
-        row = ((t * (tl.num_programs(1) * group) + heads) * NUM_SPLITS + split) * (2 + head_dim)
-        tl.store(part_ptr + row, m, mask=gmask)
-        tl.store(part_ptr + row + 1, l, mask=gmask)
-        tl.store(part_ptr + row[:, None] + 2 + d[None, :], acc, mask=gmask[:, None] & dmask[None, :])
+        prow = ((t.to(tl.int64) * num_heads + head) * NUM_SPLITS + split) * (2 + head_dim)
+        tl.store(part_ptr + prow, m, mask=r_valid)
+        tl.store(part_ptr + prow + 1, l, mask=r_valid)
+        tl.store(part_ptr + prow[:, None] + 2 + d[None, :], acc, mask=omask)
 
 
 @triton.jit
@@ -142,25 +174,57 @@ def _token_tables(meta: AttentionMetadata, device: torch.device) -> tuple[torch.
     """For every flattened query token: its sequence index and its position in that sequence."""
     if meta.token_seq is not None and meta.token_pos is not None:
         return meta.token_seq, meta.token_pos
-    seqs, positions = [], []
-    for b, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
-        seqs.extend([b] * q_len)
-        positions.extend(range(ctx - q_len, ctx))
-    return (torch.tensor(seqs, dtype=torch.int32, device=device),
-            torch.tensor(positions, dtype=torch.int32, device=device))
+    key = ("triton_token_tables", device)
+    if key not in meta.plans:  # once a step, shared by every layer
+        seqs, positions = [], []
+        for b, (q_len, ctx) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+            seqs.extend([b] * q_len)
+            positions.extend(range(ctx - q_len, ctx))
+        meta.plans[key] = (torch.tensor(seqs, dtype=torch.int32, device=device),
+                           torch.tensor(positions, dtype=torch.int32, device=device))
+    return meta.plans[key]
 
 
-def choose_num_splits(num_tokens: int, num_kv_heads: int, max_blocks: int, target_programs: int = 256) -> int:
-    """Split the context when there are too few (token, head) programs to fill the device."""
-    if num_tokens * num_kv_heads >= target_programs or max_blocks < 2 * SPLIT_MIN_BLOCKS:
+def _query_tiles(meta: AttentionMetadata, block_m: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Tiles of up to `block_m` consecutive query tokens of one sequence: (sequence, first token, length)."""
+    key = ("triton_query_tiles", block_m, device)
+    if key not in meta.plans:
+        seqs, firsts, lens, tok = [], [], [], 0
+        for b, q_len in enumerate(meta.query_lens_host):
+            for i in range(0, q_len, block_m):
+                seqs.append(b)
+                firsts.append(tok + i)
+                lens.append(min(block_m, q_len - i))
+            tok += q_len
+        meta.plans[key] = tuple(torch.tensor(x, dtype=torch.int32, device=device) for x in (seqs, firsts, lens))
+    return meta.plans[key]
+
+
+def attention_tiling(max_query_len: int, group: int, head_dim: int) -> dict[str, int]:
+    """Tile sizes. Decode: one token a program (BLOCK_M 1), its G heads padded to 16 rows for the matrix
+    units; 64 keys (4 pages of 16) per step of the loop keep enough loads in flight. Prefill: BLOCK_M tokens
+    x G heads = 64 rows a program, so each K/V tile is read once for 64 query rows."""
+    block_g = triton.next_power_of_2(group)
+    block_m = 1 if max_query_len == 1 else max(1, 64 // block_g)
+    block_n = 64 if head_dim <= 128 else 32
+    return dict(BLOCK_M=block_m, BLOCK_G=block_g, BLOCK_R=max(16, block_m * block_g), BLOCK_N=block_n,
+                BLOCK_D=triton.next_power_of_2(head_dim))
+
+
+def choose_num_splits(num_programs: int, num_kv_heads: int, max_blocks: int, target_programs: int = 256) -> int:
+    """Split the context when there are too few (query tile, KV head) programs to fill the device."""
+    if num_programs * num_kv_heads >= target_programs or max_blocks < 2 * SPLIT_MIN_BLOCKS:
         return 1
-    want = -(-target_programs // (num_tokens * num_kv_heads))
+    want = -(-target_programs // (num_programs * num_kv_heads))
     return int(min(triton.next_power_of_2(want), triton.next_power_of_2(max_blocks // SPLIT_MIN_BLOCKS), 16))
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                           block_n: int | None = None, block_m: int | None = None) -> torch.Tensor:
+    """Paged attention over the block tables; the keyword knobs after `sliding_window` are for tests and
+    bench/kernels.py --sweep (defaults: `attention_tiling`, `choose_num_splits`)."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -168,24 +232,33 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if num_tokens == 0:
         return out
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and q.stride(-1) == 1
+    tiling = attention_tiling(meta.max_query_len, group, head_dim)
+    if block_n is not None:
+        tiling["BLOCK_N"] = block_n
+    if block_m is not None and tiling["BLOCK_M"] > 1:
+        tiling["BLOCK_M"], tiling["BLOCK_R"] = block_m, max(16, block_m * tiling["BLOCK_G"])
     token_seq, token_pos = _token_tables(meta, q.device)
+    if tiling["BLOCK_M"] == 1:
+        num_tiles, tile_seq, tile_tok, tile_len = num_tokens, token_seq, token_seq, token_seq  # unused
+    else:
+        tile_seq, tile_tok, tile_len = _query_tiles(meta, tiling["BLOCK_M"], q.device)
+        num_tiles = tile_seq.shape[0]
     max_blocks = -(-meta.max_seq_len // block_size)
-    splits = num_splits or choose_num_splits(num_tokens, num_kv_heads, max_blocks)
-    blocks_per_split = -(-max_blocks // splits)
+    splits = num_splits or choose_num_splits(num_tiles, num_kv_heads, max_blocks)
+    keys_per_split = -(-meta.max_seq_len // (splits * tiling["BLOCK_N"])) * tiling["BLOCK_N"]
     part = (torch.empty((num_tokens, num_heads, splits, 2 + head_dim), dtype=torch.float32, device=q.device)
             if splits > 1 else out)
     block_tables = meta.block_tables.to(device=q.device, dtype=torch.int32).contiguous()
-    BLOCK_D = triton.next_power_of_2(head_dim)
-    _paged_attention_kernel[(num_tokens, num_kv_heads, splits)](
-        q, k_cache, v_cache, out, part, token_seq, token_pos, block_tables,
+    _paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
+        q, k_cache, v_cache, out, part, token_seq, token_pos, tile_seq, tile_tok, tile_len, block_tables,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale, sliding_window or 0, block_size, head_dim, group, blocks_per_split,
-        NUM_SPLITS=splits, BLOCK_G=triton.next_power_of_2(group), BLOCK_D=BLOCK_D,
-        BLOCK_S=triton.next_power_of_2(block_size), HAS_WINDOW=sliding_window is not None)
+        scale, sliding_window or 0, block_size, head_dim, group, keys_per_split, num_heads,
+        NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None, IEEE_DOT=q.dtype == torch.float32 or _INTERPRETED,
+        num_warps=num_warps, num_stages=num_stages, **tiling)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](part, out, out.stride(0), out.stride(1), num_heads,
-                                                      head_dim, NUM_SPLITS=splits, BLOCK_D=BLOCK_D)
+                                                      head_dim, NUM_SPLITS=splits, BLOCK_D=tiling["BLOCK_D"])
     return out
 
 

