@@ -167,11 +167,22 @@ def attention_sweep_rows(dtype: torch.dtype, measure) -> list[dict]:
             print(f"  variant failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
             return float("inf")
 
-    for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (1, 2, 3)):
+    for block_n, warps, stages in itertools.product((32, 64, 128), (4, 8), (2, 3)):
         t = timed(lambda: paged_attention_triton(q, kc, vc, meta, 0.088, block_n=block_n, num_warps=warps,
                                                  num_stages=stages))
         rows.append({"case": "decode 256 x 4096", "block_m": 1, "block_n": block_n, "warps": warps,
                      "stages": stages, "us": t * 1e6, "GBps": nbytes / t / 1e9})
+    from kernels.triton_ops import choose_num_splits
+
+    for batch, ctx in ((8, 2048), (1, 32768), (32, 1024)):  # too few (token, KV head) programs: split-K
+        q, kc, vc, meta = decode_case(batch, ctx, 32, 8, 128, 16, dtype, device)
+        nbytes = 2 * batch * ctx * 8 * 128 * elem
+        default = choose_num_splits(batch, 8, ctx // 16)
+        for splits in (1, 2, 4, 8, 16, 32, 64):
+            t = timed(lambda: paged_attention_triton(q, kc, vc, meta, 0.088, num_splits=splits))
+            rows.append({"case": f"decode {batch} x {ctx}, {splits} splits" + (" (default)" if splits == default
+                         else ""), "block_m": 1, "block_n": 64, "warps": 4, "stages": 2, "us": t * 1e6,
+                         "GBps": nbytes / t / 1e9})
     q, kc, vc, meta = prefill_case(2048, 32, 8, 128, 16, dtype, device)
     flops = 2 * 2048 * 2048 * 32 * 128
     for block_m, block_n, warps, stages in itertools.product((16, 32), (32, 64), (4, 8), (2, 3)):
