@@ -1,5 +1,8 @@
 """Linear layers, y = x @ W.T + b. The reference is F.linear.
 
+On CPU, up to NATIVE_MAX_ROWS rows in fp32 (decoding at small batch: a stream over the weights) go to our
+own AVX2 kernel (kernels/cpu_native.py), where it can be built; everything else as below.
+
 On CPU, F.linear goes to MKL, whose small-row GEMMs are slow on this class of machine (AVX2, AMD): at the
 row counts decoding runs at (1-64) torch's oneDNN linear, `torch.ops.mkldnn._linear_pointwise` (the op
 torch.compile's CPU backend emits), measured 1.1-2.4x faster on the default model's shapes and 2x on its LM
@@ -17,6 +20,8 @@ import functools
 
 import torch
 import torch.nn.functional as F
+
+from kernels.cpu_native import NATIVE_MAX_ROWS, native
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,7 +54,26 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Our C kernel (kernels/cpu_native.c) for the bandwidth-bound few-row case; None where it does not apply."""
+    if (x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32
+            or x.device.type != "cpu" or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        return None
+    lib = native()
+    if lib is None:
+        return None
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
+    lib.kvs_linear_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+                       x.shape[0], x.shape[1], weight.shape[0], torch.get_num_threads())
+    return y
+
+
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = linear_native(x, weight, bias)
+    if y is not None:
+        return y
     if x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype and _onednn_works(x.dtype):
         rows = x.shape[0]
         padded = row_bucket(rows)

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_native import native
+
 
 def rms_norm_ref(
     x: torch.Tensor,  # (T, hidden)
@@ -17,3 +19,22 @@ def rms_norm_ref(
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(dtype), residual
+
+
+def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The reference's arithmetic in one pass of our C kernel (fp32, rows with a unit last stride), else the
+    reference. One call instead of eight torch ops: at batch 1 their dispatch costs more than the math."""
+    lib = native()
+    if (lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or not weight.is_contiguous()
+            or weight.dtype != torch.float32
+            or (residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape
+                                          or residual.stride(-1) != 1))):
+        return rms_norm_ref(x, weight, eps, residual)
+    rows, hidden = x.shape
+    out = torch.empty(rows, hidden, dtype=torch.float32)
+    res_out = torch.empty_like(out) if residual is not None else None
+    lib.kvs_rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), out.data_ptr(),
+                         None if res_out is None else res_out.data_ptr(), weight.data_ptr(), rows, hidden,
+                         x.stride(0), 0 if residual is None else residual.stride(0), eps, torch.get_num_threads())
+    return out, res_out

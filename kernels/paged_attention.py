@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_native import native
 from kernels.metadata import AttentionMetadata
 
 
@@ -98,10 +99,11 @@ def _decode_buckets(lengths: list[int], max_waste: float = 0.25) -> list[list[in
     return groups
 
 
-def _sdpa_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None, device) -> list[tuple]:
+def _sdpa_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None, device,
+               native_decode: bool) -> list[tuple]:
     """What paged_attention_sdpa does for this step, as index tensors and masks. Every layer of a step
     asks the same, so it is built once per step and kept on the metadata."""
-    key = ("sdpa", block_size, sliding_window)
+    key = ("sdpa", block_size, sliding_window, native_decode)
     if key in meta.plans:
         return meta.plans[key]
     starts = [0]
@@ -109,6 +111,10 @@ def _sdpa_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | N
         starts.append(starts[-1] + n)
     plan: list[tuple] = []
     decode = [b for b, n in enumerate(meta.query_lens_host) if n == 1]
+    if native_decode and decode:  # every decode row in one call of our C kernel, reading the pages in place
+        plan.append(("native decode", *(torch.tensor(x, dtype=torch.int64) for x in (
+            decode, [starts[b] for b in decode], [meta.seq_lens_host[b] for b in decode]))))
+        decode = []
     for group in _decode_buckets([meta.seq_lens_host[b] for b in decode]):
         rows = [decode[i] for i in group]
         lens = [meta.seq_lens_host[b] for b in rows]
@@ -166,7 +172,9 @@ def paged_attention_sdpa(
     """The CPU path: the reference's semantics through torch's fused scaled_dot_product_attention, which on
     CPU runs a flash-attention kernel (no (Lq, Lk) score tensor per head in memory, GQA without repeating
     K/V). Decode rows go in groups of similar context length, so little time is spent on padding; each
-    group's blocks are gathered with one index_select. Checked against paged_attention_ref in tests."""
+    group's blocks are gathered with one index_select. In fp32, where our C kernels build
+    (kernels/cpu_native.py), decode rows instead go to a paged decode kernel that reads K/V in place.
+    Checked against paged_attention_ref in tests."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
@@ -178,8 +186,20 @@ def paged_attention_sdpa(
         torch.index_select(cache, 0, ids, out=buf)
         return buf.view(rows, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
-    for step in _sdpa_plan(meta, block_size, sliding_window, q.device):
-        if step[0] == "decode":
+    lib = native()
+    native_decode = (lib is not None and q.dtype == torch.float32 and q.is_contiguous() and q.device.type == "cpu"
+                     and k_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous())
+    for step in _sdpa_plan(meta, block_size, sliding_window, q.device, native_decode):
+        if step[0] == "native decode":
+            _, rows, tokens, ctx = step
+            tables = meta.block_tables
+            if tables.dtype != torch.int32 or not tables.is_contiguous():
+                tables = tables.to(torch.int32).contiguous()
+            lib.kvs_paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                                     tables.data_ptr(), tables.stride(0), rows.data_ptr(), tokens.data_ptr(),
+                                     ctx.data_ptr(), len(rows), num_heads, num_kv_heads, head_dim, block_size,
+                                     sliding_window or 0, scale, torch.get_num_threads())
+        elif step[0] == "decode":
             _, token_idx, ids, nb, mask = step
             rows = len(token_idx)
             k, v = gather(k_cache, ids, rows, nb, "k"), gather(v_cache, ids, rows, nb, "v")

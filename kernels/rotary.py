@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_native import native
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -19,3 +21,26 @@ def rotary_ref(
     cos = cos_cache[positions].to(q.dtype)[:, None, :]  # (T, 1, D)
     sin = sin_cache[positions].to(q.dtype)[:, None, :]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotary_one(lib, x: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor):
+    tokens, heads, head_dim = x.shape
+    out = torch.empty(tokens, heads, head_dim, dtype=torch.float32)
+    lib.kvs_rotary_f32(x.data_ptr(), out.data_ptr(), positions.data_ptr(), cos_cache.data_ptr(),
+                       sin_cache.data_ptr(), tokens, heads, head_dim, x.stride(0), x.stride(1), cos_cache.stride(0),
+                       torch.get_num_threads())
+    return out
+
+
+def rotary_cpu(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_cache: torch.Tensor,
+               sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference's arithmetic (fp32) in our C kernel, reading q and k in place inside the fused qkv
+    output; else the reference."""
+    lib = native()
+    if (lib is None or q.dtype != torch.float32 or k.dtype != torch.float32 or q.stride(-1) != 1
+            or k.stride(-1) != 1 or positions.dtype != torch.int64 or not positions.is_contiguous()
+            or cos_cache.dtype != torch.float32 or sin_cache.dtype != torch.float32
+            or cos_cache.stride(-1) != 1 or sin_cache.stride() != cos_cache.stride()):
+        return rotary_ref(q, k, positions, cos_cache, sin_cache)
+    return (_rotary_one(lib, q, positions, cos_cache, sin_cache),
+            _rotary_one(lib, k, positions, cos_cache, sin_cache))

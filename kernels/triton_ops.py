@@ -353,9 +353,11 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
 
 def _make_ops():
     from kernels import Ops
+    from kernels.activation import silu_mul_ref
     from kernels.linear import linear_ref
 
-    return Ops("triton", write_kv_triton, paged_attention_triton, rms_norm_triton, rotary_triton, linear_ref)
+    return Ops("triton", write_kv_triton, paged_attention_triton, rms_norm_triton, rotary_triton, linear_ref,
+               silu_mul_ref)
 
 
 TRITON_OPS = _make_ops()

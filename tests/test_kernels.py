@@ -215,6 +215,121 @@ def test_cpu_linear_pads_rows_to_a_bounded_set_of_shapes():
     assert all(m <= row_bucket(m) <= m * 1.125 for m in range(1, 4097))
 
 
+# ------------------------------------------------------- our C kernels for the CPU (kernels/cpu_native.c)
+def _native_expected() -> bool:
+    """Where they must build: x86-64 with AVX2 + FMA and a C compiler (CI's machine, this project's)."""
+    import platform
+    import shutil
+
+    from kernels.cpu_native import _cpu_flags
+
+    return (platform.machine() == "x86_64" and {"avx2", "fma"} <= _cpu_flags()[1]
+            and (shutil.which("cc") or shutil.which("gcc")) is not None)
+
+
+def test_native_cpu_kernels_build_where_they_can():
+    from kernels.cpu_native import native
+
+    assert (native() is not None) == _native_expected()
+
+
+@pytest.fixture(params=["native", "library"])
+def cpu_kernels(request, monkeypatch):
+    """Each CPU op twice: through our C kernels, and with them unavailable (the fallback users without a C
+    compiler or AVX2 get)."""
+    if request.param == "library":
+        import kernels.activation
+        import kernels.kv_cache
+        import kernels.linear
+        import kernels.norm
+        import kernels.paged_attention
+        import kernels.rotary
+
+        for module in (kernels.activation, kernels.kv_cache, kernels.linear, kernels.norm, kernels.paged_attention,
+                       kernels.rotary):
+            monkeypatch.setattr(module, "native", lambda: None)
+    return request.param
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9])
+@pytest.mark.parametrize("in_features,out_features", [(96, 200), (50, 37), (576, 1536)])
+def test_cpu_linear_native_rows(cpu_kernels, rows, in_features, out_features):
+    """Up to 8 rows go to the C GEMV (tails: inputs not a multiple of 16, outputs not a multiple of 4)."""
+    from kernels.linear import linear_cpu
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    for bias in (None, b):
+        torch.testing.assert_close(linear_cpu(x, w, bias), torch.nn.functional.linear(x, w, bias),
+                                   atol=1e-4, rtol=1e-4)
+    strided = torch.randn(rows, 2 * in_features, generator=g)[:, ::2]  # not contiguous: copied first
+    torch.testing.assert_close(linear_cpu(strided, w), torch.nn.functional.linear(strided, w), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_cpu_rms_norm_and_rotary(cpu_kernels, rows):
+    """RMSNorm (alone and with the residual add) on a strided view, and rotary read in place from a fused
+    qkv row: the reference's arithmetic, rotary to the bit."""
+    from kernels.norm import rms_norm_cpu
+    from kernels.rotary import rotary_cpu
+
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 2 * 576, generator=g)[:, :576]
+    res, w = torch.randn(rows, 576, generator=g), torch.randn(576, generator=g)
+    for residual in (None, res):
+        got, want = rms_norm_cpu(x, w, 1e-5, residual), rms_norm_ref(x, w, 1e-5, residual)
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+        if residual is not None:
+            assert torch.equal(got[1], want[1])
+    heads, kv_heads, head_dim = 9, 3, 64
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g)
+    q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
+    pos = torch.randint(0, 100, (rows,), generator=g)
+    cos, sin = torch.randn(100, head_dim, generator=g), torch.randn(100, head_dim, generator=g)
+    for got, want in zip(rotary_cpu(q, k, pos, cos, sin), rotary_ref(q, k, pos, cos, sin)):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_cpu_write_kv_and_silu_mul(cpu_kernels, rows):
+    """The KV write from a strided V (a view of the fused qkv output), padding slots skipped; SwiGLU's gate
+    on the fused gate|up output, including odd widths (vector tails) and large |x| (exp's range)."""
+    from kernels.activation import silu_mul_cpu, silu_mul_ref
+    from kernels.kv_cache import write_kv_cpu
+
+    g = torch.Generator().manual_seed(rows)
+    k_ref = torch.randn(8, 16, 3, 64, generator=g)
+    v_ref = torch.randn(8, 16, 3, 64, generator=g)
+    k_got, v_got = k_ref.clone(), v_ref.clone()
+    kv = torch.randn(rows, 2 * 3 * 64 + 5, generator=g)
+    key, value = kv[:, :192].view(rows, 3, 64), kv[:, 192:384].view(rows, 3, 64)
+    slots = torch.randperm(8 * 16, generator=g)[:rows]
+    slots[::2] = -1
+    write_kv_ref(key, value, k_ref, v_ref, slots)
+    write_kv_cpu(key, value, k_got, v_got, slots)
+    assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
+    for inter in (1536, 13):
+        gate_up = torch.randn(rows, 2 * inter + 3, generator=g)[:, : 2 * inter] * 30
+        torch.testing.assert_close(silu_mul_cpu(gate_up), silu_mul_ref(gate_up), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])
+@pytest.mark.parametrize("window", [None, 5, 100])
+def test_cpu_decode_attention_reads_pages_in_place(cpu_kernels, head_dim, heads, kv_heads, window):
+    """The C decode kernel (fp32) against the reference: ragged contexts of 1 to 300 keys (softmax tails not
+    a multiple of 8), a block boundary, a head_dim that is not a multiple of 16, windows, GQA 1/3/4."""
+    seq_lens = [1, 7, 16, 17, 300, 129]
+    q, kc, vc, meta = make_batch([1] * len(seq_lens), seq_lens, 16, 64, heads, kv_heads, head_dim, torch.float32)
+    scale = head_dim**-0.5
+    got = paged_attention_sdpa(q, kc, vc, meta, scale, sliding_window=window)
+    torch.testing.assert_close(got, paged_attention_ref(q, kc, vc, meta, scale, sliding_window=window),
+                               **SDPA_TOL[torch.float32])
+
+
 # ---------------------------------------------------------------------------------------------- the rest
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 32])

@@ -10,7 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.models.rope import build_rope_cache
@@ -111,8 +110,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         linear = self.ops.linear
-        gate, up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).split(self.intermediate_size, dim=-1)
-        return linear(F.silu(gate) * up, self.down_proj.weight, self.down_proj.bias)
+        gate_up = linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias)
+        return linear(self.ops.silu_mul(gate_up), self.down_proj.weight, self.down_proj.bias)
 
 
 class DecoderLayer(nn.Module):

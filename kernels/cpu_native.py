@@ -1,0 +1,106 @@
+"""Our own CPU kernels in C (kernels/cpu_native.c), compiled on first use with the system C compiler.
+
+Why: batch-1 and small-batch decoding streams every weight matrix once per step, so its speed is the GEMV's
+memory bandwidth. On this class of machine (AVX2, 2 cores) the libraries torch ships reach 55-65 % of the
+copy bandwidth at the default model's shapes; the kernel here, 4 weight rows at a time with 8 FMA chains in
+flight, reaches 85-90 % (bench/kernels.py prints both). It is used for up to NATIVE_MAX_ROWS rows, where a
+step is bandwidth-bound; past that, oneDNN's blocked GEMM is the faster one.
+
+The shared library is built once per (source, compiler flags, CPU model) into the kvscale cache dir
+(atomic rename, so concurrent first calls from several replicas are safe) and loaded with ctypes. Where it
+cannot be had (no C compiler, a CPU without AVX2/FMA, not x86-64), or KVSCALE_NATIVE_CPU=0, `native()`
+returns None once, says why in the log, and callers use the library kernels.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_native.c")
+# -ffp-contract=off: no fused multiply-adds the source does not ask for, so the elementwise kernels round
+# exactly as torch's separate multiply and add do
+FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+NATIVE_MAX_ROWS = 8  # up to here a linear layer is bandwidth-bound on 2 AVX2 cores; oneDNN past it
+
+
+def _cpu_flags() -> tuple[str, set[str]]:
+    model, flags = platform.processor() or "unknown", set()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    return model, flags
+
+
+def _build(target: Path, compiler: str) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+                       timeout=120)
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def native() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (logged once) when they cannot be used here."""
+    if os.environ.get("KVSCALE_NATIVE_CPU", "1") == "0":
+        logger.info("native CPU kernels off (KVSCALE_NATIVE_CPU=0): using torch's library kernels")
+        return None
+    model, flags = _cpu_flags()
+    if platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= flags:
+        logger.info("native CPU kernels need x86-64 with AVX2 and FMA (this CPU: %s); using torch's library "
+                    "kernels", model)
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found (set CC or install gcc) to build kvscale's CPU kernels; small-batch "
+                       "decoding falls back to torch's library kernels, about 1.4x slower")
+        return None
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + model.encode()).hexdigest()[:16]
+    cache = os.environ.get("KVSCALE_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvscale")  # as the default model's
+    target = Path(cache) / "cpu_kernels" / f"cpu_native-{key}.so"
+    try:
+        if not target.exists():
+            logger.info("building kvscale's CPU kernels once: %s -> %s", SOURCE.name, target)
+            _build(target, compiler)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or str(e)
+        logger.warning("could not build or load kvscale's CPU kernels with %s (%s); falling back to torch's "
+                       "library kernels", compiler, detail.strip()[:500])
+        return None
+    lib.kvs_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    lib.kvs_linear_f32.restype = None
+    P, L = ctypes.c_void_p, ctypes.c_long
+    lib.kvs_rms_norm_f32.argtypes = [P] * 5 + [L] * 4 + [ctypes.c_float, ctypes.c_int]
+    lib.kvs_rms_norm_f32.restype = None
+    lib.kvs_rotary_f32.argtypes = [P] * 5 + [L] * 6 + [ctypes.c_int]
+    lib.kvs_rotary_f32.restype = None
+    lib.kvs_paged_decode_f32.argtypes = [P] * 5 + [L] + [P] * 3 + [L] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.kvs_paged_decode_f32.restype = None
+    lib.kvs_write_kv_f32.argtypes = [P] * 5 + [L] * 4
+    lib.kvs_write_kv_f32.restype = None
+    lib.kvs_silu_mul_f32.argtypes = [P] * 2 + [L] * 3 + [ctypes.c_int]
+    lib.kvs_silu_mul_f32.restype = None
+    return lib
