@@ -7,8 +7,8 @@
 Every figure comes from this one run. The ceiling is a large device tensor copy (bytes read + bytes
 written over the time). For each kernel, the bytes it must move at the least (what it reads and writes
 once, K/V of every attended token for attention) over its median time. The ops are the ones the engine
-selects for the device (`kernels.select_ops`): the Triton kernels on CUDA, the CPU path on CPU (torch SDPA
-over gathered blocks, oneDNN linear, plain references). Warm-up (Triton compilation) is excluded.
+selects for the device (`kernels.select_ops`): the Triton kernels on CUDA, the CPU path on CPU (our C
+kernels where they build, else torch's library ops; oneDNN's linear is printed beside ours as the peer). Warm-up (Triton compilation) is excluded.
 Target on CUDA: paged decode attention at large batch x context at >= 70 % of the copy bandwidth.
 """
 from __future__ import annotations
@@ -134,6 +134,18 @@ def kernel_rows(device: torch.device, dtype: torch.dtype, measure) -> list[dict]
     add(f"RMSNorm  {tokens} x {hidden}", t, 2 * x.numel() * elem)
     t = measure(lambda: ops.rms_norm(x, w, 1e-6, res))
     add(f"RMSNorm + residual add  {tokens} x {hidden}", t, 4 * x.numel() * elem)
+
+    # one decode row through a stack of weight matrices bigger than the caches, as a batch-1 step reads them
+    n_out, n_in = (4 * hidden, hidden) if cuda else (3072, 576)
+    stack = [torch.randn(n_out, n_in, device=device, dtype=dtype) for _ in range(8 if cuda else 24)]
+    x1 = torch.randn(1, n_in, device=device, dtype=dtype)
+    wbytes = sum(w.numel() for w in stack) * elem
+    t = measure(lambda: [ops.linear(x1, w) for w in stack], repeats=10)
+    add(f"linear, 1 row x {len(stack)} weights of {n_out} x {n_in}", t, wbytes, 2 * wbytes / elem)
+    if not cuda:  # the library peer our C GEMV replaces at small batch
+        t = measure(lambda: [torch.ops.mkldnn._linear_pointwise(x1, w, None, "none", [], "") for w in stack],
+                    repeats=10)
+        add("  (oneDNN's linear, same stack)", t, wbytes, 2 * wbytes / elem)
 
     from engine.models.rope import build_rope_cache
     from transformers import LlamaConfig

@@ -99,13 +99,16 @@ def matmul_rate(shapes: list[tuple[str, int, int]], tokens: int, dtype: torch.dt
     return out
 
 
-def single_row_pass_seconds(model_weights: list[torch.Tensor]) -> float:
-    """One row through every weight matrix of the model with the engine's linear: what a batch-1 decode
-    step's matmuls cost at best with this BLAS (the weights are read once, from DRAM, as in decoding)."""
+def single_row_pass_seconds(model_weights: list[torch.Tensor]) -> tuple[float, float]:
+    """One row through every weight matrix of the model (the weights read once, from DRAM, as in decoding):
+    with the engine's linear (our C GEMV where it builds), and with torch's oneDNN linear, the library peer."""
     from kernels.linear import linear_cpu
 
     xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in model_weights}
-    return _best_time(lambda: [linear_cpu(xs[w.shape[1]], w) for w in model_weights], 5)
+    ours = _best_time(lambda: [linear_cpu(xs[w.shape[1]], w) for w in model_weights], 5)
+    lib = _best_time(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], w, None, "none", [], "")
+                              for w in model_weights], 5)
+    return ours, lib
 
 
 def linear_shapes(spec) -> list[tuple[str, int, int]]:
@@ -303,7 +306,7 @@ def run_ours(path: str, dtype: str, work: Workload, runs: int):
     mats = [p for n, p in llm.engine.runner.model.named_parameters() if p.dim() == 2 and "embed" not in n]
     if llm.engine.runner.model.lm_head is None:
         mats.append(llm.engine.runner.model.model.embed_tokens.weight)  # tied: the embedding is the LM head
-    one_row = single_row_pass_seconds(mats)
+    one_row, one_row_lib = single_row_pass_seconds(mats)
     kv_bytes = llm.engine.runner.kv_cache.numel() * llm.engine.runner.kv_cache.element_size()
     weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
     spec = llm.engine.runner.model.spec
@@ -311,7 +314,7 @@ def run_ours(path: str, dtype: str, work: Workload, runs: int):
     gc.collect()
     return {"times": times, "decode_b1_s_per_token": statistics.median(b1), "breakdown": timer.report(),
             "mean_batch": statistics.mean(timer.batch_sizes), "steps": timer.steps, "kinds": kinds,
-            "one_row_s": one_row,
+            "one_row_s": one_row, "one_row_lib_s": one_row_lib,
             "rss": {"before load": rss_before, "after load (weights + KV pool)": rss_loaded, "peak": peak.peak},
             "kv_bytes": kv_bytes, "weight_bytes": weight_bytes, "spec": spec}
 
@@ -457,9 +460,11 @@ def main() -> None:
               f"the {peak / 1e9:.0f} GFLOP/s ceiling (attention's own products not counted)")
         print(f"decode at batch 1: {b1_tok_s:.1f} tok/s; bandwidth roofline {b1_roof:.1f} tok/s "
               f"({ours['weight_bytes'] / 2**20:.0f} MiB of weights / {bw / 1e9:.1f} GB/s) -> {b1_tok_s / b1_roof:.0%}; "
-              f"one row through all weight matrices with this BLAS alone takes {ours['one_row_s'] * 1e3:.0f} ms "
-              f"(= {1 / ours['one_row_s']:.1f} tok/s, {ours['weight_bytes'] / ours['one_row_s'] / 1e9:.1f} GB/s), "
-              f"so we reach {b1_tok_s * ours['one_row_s']:.0%} of what the library allows")
+              f"one row through all weight matrices with the engine's linear alone takes {ours['one_row_s'] * 1e3:.0f} ms "
+              f"(= {1 / ours['one_row_s']:.1f} tok/s, {ours['weight_bytes'] / ours['one_row_s'] / 1e9:.1f} GB/s; "
+              f"oneDNN's linear {ours['one_row_lib_s'] * 1e3:.0f} ms, "
+              f"{ours['weight_bytes'] / ours['one_row_lib_s'] / 1e9:.1f} GB/s), so the rest of the step costs "
+              f"{1 - b1_tok_s * ours['one_row_s']:.0%} of it")
         print(f"\nstep-time breakdown (ours, whole workload, {ours['steps']} steps, mean batch "
               f"{ours['mean_batch']:.1f} sequences):")
         for name, s, share in ours["breakdown"]:
@@ -475,7 +480,7 @@ def main() -> None:
               f"(+{rss['peak'] - rss['after load (weights + KV pool)']:.0f} MiB of activations and allocator slack)")
         figures.update({"matmul_ceiling_GFLOPs": peak / 1e9, "matmul_fraction": achieved / peak,
                         "decode_b1_tok_s": b1_tok_s, "decode_b1_roofline_tok_s": b1_roof,
-                        "one_row_pass_ms": ours["one_row_s"] * 1e3,
+                        "one_row_pass_ms": ours["one_row_s"] * 1e3, "one_row_pass_onednn_ms": ours["one_row_lib_s"] * 1e3,
                         "breakdown": {n: share for n, _, share in ours["breakdown"]}, "rss_MiB": rss,
                         "weights_MiB": ours["weight_bytes"] / 2**20, "kv_pool_MiB": ours["kv_bytes"] / 2**20})
     if args.json:

@@ -121,55 +121,105 @@ static inline float dot_f32(const float *a, const float *b, long n) {
     return s;
 }
 
+/* Eight dot products in, one vector of their eight sums out (a hadd tree: one reduction per 8 keys, not 8). */
+static inline __m256 hsum8(const __m256 *a) {
+    __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 /* Decode attention straight from the paged cache: one query token per sequence, no gathered copy of K/V.
  * q, out: (tokens, heads, head_dim); caches: (blocks, block_size, kv_heads, head_dim), all fp32 contiguous.
  * For decode row i: its token is tokens[i], its block table row is block_tables + rows[i] * bt_stride, and it
- * sees keys [max(0, ctx - window), ctx) (window 0: all). One task per (row, KV head): every key row is read
- * once for the G query heads that share it; softmax in two passes over a score buffer. */
+ * sees keys [max(0, ctx - window), ctx) (window 0: all). A task is one row and all its KV heads (or, when
+ * there are too few rows to keep the threads busy, one KV head), so each cache row comes from memory once:
+ * scores 8 keys at a time for every query head while those 8 K rows sit in L1, an exact softmax over the
+ * score buffer, then V in chunks of 64 rows (in L1/L2) added into every head's output vector by vector. */
+#define KVS_V_CHUNK 64
 void kvs_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
                           const int *block_tables, long bt_stride, const long *rows, const long *tokens,
                           const long *ctx_lens, long n, long num_heads, long num_kv_heads, long head_dim,
                           long block_size, long window, float scale, int threads) {
     long group = num_heads / num_kv_heads, kv_row = num_kv_heads * head_dim;
+    long splits = n < 2 * threads ? num_kv_heads : 1, per_task = num_kv_heads / splits;
+    int vec = head_dim % 8 == 0;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (long task = 0; task < n * num_kv_heads; task++) {
-        long i = task / num_kv_heads, h = task % num_kv_heads;
+    for (long task = 0; task < n * splits; task++) {
+        long i = task / splits, h0 = task % splits * per_task;
+        long heads = per_task * group;  /* query heads of this task: h0 * group ... */
         long ctx = ctx_lens[i], lo = window > 0 && ctx > window ? ctx - window : 0, len = ctx - lo;
         const int *bt = block_tables + rows[i] * bt_stride;
-        const float *qh = q + (tokens[i] * num_heads + h * group) * head_dim;
-        float *s = malloc(sizeof(float) * (size_t)(group * len));
-        float *acc = calloc((size_t)(group * head_dim), sizeof(float));
-        for (long p = lo; p < ctx; p++) {
-            const float *kr = k_cache + ((long)bt[p / block_size] * block_size + p % block_size) * kv_row + h * head_dim;
-            for (long g = 0; g < group; g++) s[g * len + p - lo] = dot_f32(qh + g * head_dim, kr, head_dim) * scale;
+        const float *qh = q + (tokens[i] * num_heads + h0 * group) * head_dim;
+        float *s = malloc(sizeof(float) * (size_t)(heads * len));
+        float *acc = calloc((size_t)(heads * head_dim), sizeof(float));
+        long *off = malloc(sizeof(long) * (size_t)len);  /* each visible key's row in the caches */
+        for (long j = 0; j < len; j++) {
+            long p = lo + j;
+            off[j] = ((long)bt[p / block_size] * block_size + p % block_size) * kv_row + h0 * head_dim;
         }
-        for (long g = 0; g < group; g++) {
-            float *sg = s + g * len, m = -INFINITY, sum = 0.0f;
-            for (long j = 0; j < len; j++) m = sg[j] > m ? sg[j] : m;
-            long j = 0;
-            __m256 vm = _mm256_set1_ps(m), vs = _mm256_setzero_ps();
+        long j = 0;
+        if (vec) {
             for (; j + 8 <= len; j += 8) {
-                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sg + j), vm));
-                _mm256_storeu_ps(sg + j, e);
+                for (long x = 0; x < heads; x++) {  /* query head x reads KV head x / group of this task */
+                    const float *qx = qh + x * head_dim;
+                    long kh = (x / group) * head_dim;
+                    __m256 a[8];
+                    for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
+                    for (long d = 0; d < head_dim; d += 8) {
+                        __m256 qv = _mm256_loadu_ps(qx + d);
+                        for (int k = 0; k < 8; k++)
+                            a[k] = _mm256_fmadd_ps(_mm256_loadu_ps(k_cache + off[j + k] + kh + d), qv, a[k]);
+                    }
+                    _mm256_storeu_ps(s + x * len + j, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
+                }
+            }
+        }
+        for (; j < len; j++)
+            for (long x = 0; x < heads; x++)
+                s[x * len + j] = dot_f32(qh + x * head_dim, k_cache + off[j] + (x / group) * head_dim, head_dim) * scale;
+        for (long x = 0; x < heads; x++) {
+            float *sx = s + x * len, m = -INFINITY, sum = 0.0f;
+            for (long t = 0; t < len; t++) m = sx[t] > m ? sx[t] : m;
+            long t = 0;
+            __m256 vm = _mm256_set1_ps(m), vs = _mm256_setzero_ps();
+            for (; t + 8 <= len; t += 8) {
+                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sx + t), vm));
+                _mm256_storeu_ps(sx + t, e);
                 vs = _mm256_add_ps(vs, e);
             }
             sum = hsum(vs);
-            for (; j < len; j++) { sg[j] = expf(sg[j] - m); sum += sg[j]; }
+            for (; t < len; t++) { sx[t] = expf(sx[t] - m); sum += sx[t]; }
             float inv = 1.0f / sum;
-            for (j = 0; j < len; j++) sg[j] *= inv;
+            for (t = 0; t < len; t++) sx[t] *= inv;
         }
-        for (long p = lo; p < ctx; p++) {
-            const float *vr = v_cache + ((long)bt[p / block_size] * block_size + p % block_size) * kv_row + h * head_dim;
-            for (long g = 0; g < group; g++) {
-                float w = s[g * len + p - lo], *a = acc + g * head_dim;
-                __m256 vw = _mm256_set1_ps(w);
+        for (long j0 = 0; j0 < len; j0 += KVS_V_CHUNK) {
+            long j1 = j0 + KVS_V_CHUNK < len ? j0 + KVS_V_CHUNK : len;
+            for (long x = 0; x < heads; x++) {
+                const float *w = s + x * len, *vh = v_cache + (x / group) * head_dim;
+                float *a = acc + x * head_dim;
                 long d = 0;
-                for (; d + 8 <= head_dim; d += 8)
-                    _mm256_storeu_ps(a + d, _mm256_fmadd_ps(vw, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(a + d)));
-                for (; d < head_dim; d++) a[d] += w * vr[d];
+                if (vec) {
+                    for (; d < head_dim; d += 8) {
+                        __m256 c0 = _mm256_loadu_ps(a + d), c1 = _mm256_setzero_ps();
+                        __m256 c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
+                        long t = j0;
+                        for (; t + 4 <= j1; t += 4) {
+                            c0 = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), _mm256_loadu_ps(vh + off[t] + d), c0);
+                            c1 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 1]), _mm256_loadu_ps(vh + off[t + 1] + d), c1);
+                            c2 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 2]), _mm256_loadu_ps(vh + off[t + 2] + d), c2);
+                            c3 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 3]), _mm256_loadu_ps(vh + off[t + 3] + d), c3);
+                        }
+                        for (; t < j1; t++)
+                            c0 = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), _mm256_loadu_ps(vh + off[t] + d), c0);
+                        _mm256_storeu_ps(a + d, _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
+                    }
+                }
+                for (; d < head_dim; d++)  /* head_dim not a multiple of 8 */
+                    for (long t = j0; t < j1; t++) a[d] += w[t] * vh[off[t] + d];
             }
         }
-        memcpy(out + (tokens[i] * num_heads + h * group) * head_dim, acc, sizeof(float) * (size_t)(group * head_dim));
+        memcpy(out + (tokens[i] * num_heads + h0 * group) * head_dim, acc, sizeof(float) * (size_t)(heads * head_dim));
+        free(off);
         free(s);
         free(acc);
     }
