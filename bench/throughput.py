@@ -428,6 +428,9 @@ def main() -> None:
         results["hf-cb (generate_batch manager)"] = run_hf_cb(path, args.dtype, work, args.hf_runs)
 
     bw = copy_bandwidth(torch.device("cpu"), _best_time)
+    big = torch.ones(64 << 20)  # 256 MiB: a read-only stream, as decoding reads its weights
+    read_bw = big.numel() * 4 / _best_time(lambda: big.sum())
+    del big
     spec = ours["spec"] if ours else None
     tput = {name: work.output_tokens / statistics.median(r["times"]) for name, r in results.items()}
     best_hf = max((v for k, v in tput.items() if k != "ours"), default=None)
@@ -452,6 +455,7 @@ def main() -> None:
         achieved = flops / statistics.median(ours["times"])
         b1_tok_s = 1 / ours["decode_b1_s_per_token"]
         b1_roof = bw / ours["weight_bytes"]
+        b1_read_roof = read_bw / ours["weight_bytes"]
         print(f"\nmachine: memory copy bandwidth {bw / 1e9:.1f} GB/s; matmul at the model's shapes (256 rows, "
               f"{args.dtype}): " + ", ".join(f"{n} {r / 1e9:.0f}" for n, r in rates.items())
               + f" GFLOP/s; model mix {peak / 1e9:.0f} GFLOP/s")
@@ -465,6 +469,9 @@ def main() -> None:
               f"oneDNN's linear {ours['one_row_lib_s'] * 1e3:.0f} ms, "
               f"{ours['weight_bytes'] / ours['one_row_lib_s'] / 1e9:.1f} GB/s), so the rest of the step costs "
               f"{1 - b1_tok_s * ours['one_row_s']:.0%} of it")
+        print(f"  read-only bandwidth {read_bw / 1e9:.1f} GB/s (sum over 256 MiB: decoding only reads its weights); "
+              f"against it the batch-1 roofline is {b1_read_roof:.1f} tok/s -> "
+              f"{b1_tok_s / b1_read_roof:.0%}")
         print(f"\nstep-time breakdown (ours, whole workload, {ours['steps']} steps, mean batch "
               f"{ours['mean_batch']:.1f} sequences):")
         for name, s, share in ours["breakdown"]:
@@ -480,6 +487,7 @@ def main() -> None:
               f"(+{rss['peak'] - rss['after load (weights + KV pool)']:.0f} MiB of activations and allocator slack)")
         figures.update({"matmul_ceiling_GFLOPs": peak / 1e9, "matmul_fraction": achieved / peak,
                         "decode_b1_tok_s": b1_tok_s, "decode_b1_roofline_tok_s": b1_roof,
+                        "read_bandwidth_GBps": read_bw / 1e9, "decode_b1_read_roofline_tok_s": b1_read_roof,
                         "one_row_pass_ms": ours["one_row_s"] * 1e3, "one_row_pass_onednn_ms": ours["one_row_lib_s"] * 1e3,
                         "breakdown": {n: share for n, _, share in ours["breakdown"]}, "rss_MiB": rss,
                         "weights_MiB": ours["weight_bytes"] / 2**20, "kv_pool_MiB": ours["kv_bytes"] / 2**20})
