@@ -243,7 +243,9 @@ def test_openapi_fuzz_with_schemathesis_gets_no_5xx(server):
             examples = 40 if has_input else 5
 
             @given(case=op.as_strategy(generation_mode=mode))
-            @settings(max_examples=examples, deadline=None, database=None,
+            # derandomize: the same cases every run, so the counts asserted below cannot flake (a random draw
+            # once gave 17 successes against the 20 asserted; CI must not hinge on the draw)
+            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
                       suppress_health_check=list(HealthCheck))
             def fuzz(case):
                 nonlocal tried
