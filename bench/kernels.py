@@ -138,14 +138,17 @@ def kernel_rows(device: torch.device, dtype: torch.dtype, measure) -> list[dict]
     # one decode row through a stack of weight matrices bigger than the caches, as a batch-1 step reads them
     n_out, n_in = (4 * hidden, hidden) if cuda else (3072, 576)
     stack = [torch.randn(n_out, n_in, device=device, dtype=dtype) for _ in range(8 if cuda else 24)]
-    x1 = torch.randn(1, n_in, device=device, dtype=dtype)
     wbytes = sum(w.numel() for w in stack) * elem
-    t = measure(lambda: [ops.linear(x1, w) for w in stack], repeats=10)
-    add(f"linear, 1 row x {len(stack)} weights of {n_out} x {n_in}", t, wbytes, 2 * wbytes / elem)
-    if not cuda:  # the library peer our C GEMV replaces at small batch
-        t = measure(lambda: [torch.ops.mkldnn._linear_pointwise(x1, w, None, "none", [], "") for w in stack],
-                    repeats=10)
-        add("  (oneDNN's linear, same stack)", t, wbytes, 2 * wbytes / elem)
+    # CPU: our C GEMV serves up to kernels.cpu_native.NATIVE_MAX_ROWS = 5 rows, 6 go to oneDNN; the library
+    # peer is printed beside each, since that is where the two cross
+    for m in (1,) if cuda else (1, 5, 6):
+        xr = torch.randn(m, n_in, device=device, dtype=dtype)
+        t = measure(lambda: [ops.linear(xr, w) for w in stack], repeats=10)
+        add(f"linear, {m} row(s) x {len(stack)} weights of {n_out} x {n_in}", t, wbytes, 2 * m * wbytes / elem)
+        if not cuda:
+            t = measure(lambda: [torch.ops.mkldnn._linear_pointwise(xr, w, None, "none", [], "") for w in stack],
+                        repeats=10)
+            add("  (oneDNN's linear, same stack)", t, wbytes, 2 * m * wbytes / elem)
 
     from engine.models.rope import build_rope_cache
     from transformers import LlamaConfig

@@ -1,10 +1,14 @@
 """Our own CPU kernels in C (kernels/cpu_native.c), compiled on first use with the system C compiler.
 
 Why: batch-1 and small-batch decoding streams every weight matrix once per step, so its speed is the GEMV's
-memory bandwidth. On this class of machine (AVX2, 2 cores) the libraries torch ships reach 55-65 % of the
-copy bandwidth at the default model's shapes; the kernel here, 4 weight rows at a time with 8 FMA chains in
-flight, reaches 85-90 % (bench/kernels.py prints both). It is used for up to NATIVE_MAX_ROWS rows, where a
-step is bandwidth-bound; past that, oneDNN's blocked GEMM is the faster one.
+memory bandwidth, and at batch 1 the dispatch of many small torch ops costs more than their math. On this
+class of machine (AVX2, 2 cores) one row through every weight matrix of the default model took 16 ms with
+the GEMV here against 33 ms with oneDNN's linear in the same run (bench/throughput.py). It serves up to
+NATIVE_MAX_ROWS rows; bench/kernels.py prints both at 1, 5 and 6 rows, where oneDNN's blocked GEMM takes
+over (same-process measurements on the default model's gate|up shape: ours 1.6-1.8x faster from 1 to 5 rows,
+then about 2x slower at 6, where its time per weight row jumps; 0.8x at 12 on a mix of MLP shapes). The other kernels fuse what took torch
+2 to 8 ops: RMSNorm + residual, rotary, KV write, SwiGLU gating, and decode attention reading the pages in
+place.
 
 The shared library is built once per (source, compiler flags, CPU model) into the kvscale cache dir
 (atomic rename, so concurrent first calls from several replicas are safe) and loaded with ctypes. Where it
@@ -30,7 +34,7 @@ SOURCE = Path(__file__).with_name("cpu_native.c")
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so the elementwise kernels round
 # exactly as torch's separate multiply and add do
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-NATIVE_MAX_ROWS = 8  # up to here a linear layer is bandwidth-bound on 2 AVX2 cores; oneDNN past it
+NATIVE_MAX_ROWS = 5  # up to here our GEMV beats oneDNN on 2 AVX2 cores (bench/kernels.py)
 
 
 def _cpu_flags() -> tuple[str, set[str]]:

@@ -251,10 +251,11 @@ def cpu_kernels(request, monkeypatch):
     return request.param
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7])
 @pytest.mark.parametrize("in_features,out_features", [(96, 200), (50, 37), (576, 1536)])
 def test_cpu_linear_native_rows(cpu_kernels, rows, in_features, out_features):
-    """Up to 8 rows go to the C GEMV (tails: inputs not a multiple of 16, outputs not a multiple of 4)."""
+    """Up to NATIVE_MAX_ROWS (5) rows go to the C GEMV, 6 and 7 to oneDNN (tails: inputs not a multiple of 32 or 8,
+    outputs of any count)."""
     from kernels.linear import linear_cpu
 
     g = torch.Generator().manual_seed(rows)
