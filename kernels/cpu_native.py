@@ -64,6 +64,13 @@ def _build(target: Path, compiler: str) -> None:
             os.unlink(tmp)
 
 
+def fp32_on_cpu(*tensors) -> bool:
+    """What every kernel here takes: float32 tensors in host memory (None entries, absent biases, pass)."""
+    import torch
+
+    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
+
+
 @functools.cache
 def native() -> ctypes.CDLL | None:
     """The loaded kernels, or None (logged once) when they cannot be used here."""

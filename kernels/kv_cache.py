@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_native import native
+from kernels.cpu_native import fp32_on_cpu, native
 
 
 def write_kv_ref(
@@ -27,7 +27,7 @@ def write_kv_cpu(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, 
     index_copy_; else the reference."""
     lib = native()
     tokens, num_kv_heads, head_dim = key.shape
-    if (lib is None or key.dtype != torch.float32 or value.dtype != torch.float32 or k_cache.dtype != torch.float32
+    if (lib is None or not fp32_on_cpu(key, value, k_cache, v_cache) or slot_mapping.device.type != "cpu"
             or not (k_cache.is_contiguous() and v_cache.is_contiguous() and slot_mapping.is_contiguous())
             or slot_mapping.dtype != torch.int64 or key.stride()[1:] != (head_dim, 1)
             or value.stride()[1:] != (head_dim, 1)):

@@ -21,7 +21,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import NATIVE_MAX_ROWS, native
+from kernels.cpu_native import NATIVE_MAX_ROWS, fp32_on_cpu, native
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,9 +56,8 @@ def row_bucket(rows: int) -> int:
 
 def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """Our C kernel (kernels/cpu_native.c) for the bandwidth-bound few-row case; None where it does not apply."""
-    if (x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or x.device.type != "cpu" or not weight.is_contiguous()
-            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
+    if (x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS or not fp32_on_cpu(x, weight, bias)
+            or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous())):
         return None
     lib = native()
     if lib is None:

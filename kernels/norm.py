@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_native import native
+from kernels.cpu_native import fp32_on_cpu, native
 
 
 def rms_norm_ref(
@@ -26,10 +26,9 @@ def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """The reference's arithmetic in one pass of our C kernel (fp32, rows with a unit last stride), else the
     reference. One call instead of eight torch ops: at batch 1 their dispatch costs more than the math."""
     lib = native()
-    if (lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.stride(-1) != 1 or not weight.is_contiguous()
-            or weight.dtype != torch.float32
-            or (residual is not None and (residual.dtype != torch.float32 or residual.shape != x.shape
-                                          or residual.stride(-1) != 1))):
+    if (lib is None or not fp32_on_cpu(x, weight, residual) or x.dim() != 2 or x.stride(-1) != 1
+            or not weight.is_contiguous()
+            or (residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1))):
         return rms_norm_ref(x, weight, eps, residual)
     rows, hidden = x.shape
     out = torch.empty(rows, hidden, dtype=torch.float32)

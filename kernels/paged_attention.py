@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import native
+from kernels.cpu_native import fp32_on_cpu, native
 from kernels.metadata import AttentionMetadata
 
 
@@ -187,8 +187,8 @@ def paged_attention_sdpa(
         return buf.view(rows, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
     lib = native()
-    native_decode = (lib is not None and q.dtype == torch.float32 and q.is_contiguous() and q.device.type == "cpu"
-                     and k_cache.dtype == torch.float32 and k_cache.is_contiguous() and v_cache.is_contiguous())
+    native_decode = (lib is not None and fp32_on_cpu(q, k_cache, v_cache) and meta.block_tables.device.type == "cpu"
+                     and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
     for step in _sdpa_plan(meta, block_size, sliding_window, q.device, native_decode):
         if step[0] == "native decode":
             _, rows, tokens, ctx = step

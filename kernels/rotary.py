@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_native import native
+from kernels.cpu_native import fp32_on_cpu, native
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -37,10 +37,9 @@ def rotary_cpu(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_ca
     """The reference's arithmetic (fp32) in our C kernel, reading q and k in place inside the fused qkv
     output; else the reference."""
     lib = native()
-    if (lib is None or q.dtype != torch.float32 or k.dtype != torch.float32 or q.stride(-1) != 1
-            or k.stride(-1) != 1 or positions.dtype != torch.int64 or not positions.is_contiguous()
-            or cos_cache.dtype != torch.float32 or sin_cache.dtype != torch.float32
-            or cos_cache.stride(-1) != 1 or sin_cache.stride() != cos_cache.stride()):
+    if (lib is None or not fp32_on_cpu(q, k, cos_cache, sin_cache) or positions.device.type != "cpu"
+            or q.stride(-1) != 1 or k.stride(-1) != 1 or positions.dtype != torch.int64
+            or not positions.is_contiguous() or cos_cache.stride(-1) != 1 or sin_cache.stride() != cos_cache.stride()):
         return rotary_ref(q, k, positions, cos_cache, sin_cache)
     return (_rotary_one(lib, q, positions, cos_cache, sin_cache),
             _rotary_one(lib, k, positions, cos_cache, sin_cache))

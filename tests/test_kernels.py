@@ -233,6 +233,19 @@ def test_native_cpu_kernels_build_where_they_can():
     assert (native() is not None) == _native_expected()
 
 
+def test_native_cpu_kernels_never_see_device_tensors():
+    """attention_backend="torch" on a GPU selects these ops: tensors not in host memory must take the torch
+    path, never a C pointer. (The meta device stands in for CUDA: it has no memory a kernel could touch.)"""
+    from kernels.activation import silu_mul_cpu
+    from kernels.linear import linear_native
+    from kernels.norm import rms_norm_cpu
+
+    x, w = torch.empty(1, 64, device="meta"), torch.empty(32, 64, device="meta")
+    assert linear_native(x, w) is None
+    assert rms_norm_cpu(x, torch.empty(64, device="meta"), 1e-6)[0].device.type == "meta"
+    assert silu_mul_cpu(x).device.type == "meta"
+
+
 @pytest.fixture(params=["native", "library"])
 def cpu_kernels(request, monkeypatch):
     """Each CPU op twice: through our C kernels, and with them unavailable (the fallback users without a C
