@@ -146,8 +146,9 @@ def kernel_rows(device: torch.device, dtype: torch.dtype, measure) -> list[dict]
         t = measure(lambda: [ops.linear(xr, w) for w in stack], repeats=10)
         add(f"linear, {m} row(s) x {len(stack)} weights of {n_out} x {n_in}", t, wbytes, 2 * m * wbytes / elem)
         if not cuda:
-            t = measure(lambda: [torch.ops.mkldnn._linear_pointwise(xr, w, None, "none", [], "") for w in stack],
-                        repeats=10)
+            from kernels.linear import linear_onednn
+
+            t = measure(lambda: [linear_onednn(xr, w) for w in stack], repeats=10)
             add("  (oneDNN's linear, same stack)", t, wbytes, 2 * m * wbytes / elem)
 
     from engine.models.rope import build_rope_cache

@@ -102,12 +102,11 @@ def matmul_rate(shapes: list[tuple[str, int, int]], tokens: int, dtype: torch.dt
 def single_row_pass_seconds(model_weights: list[torch.Tensor]) -> tuple[float, float]:
     """One row through every weight matrix of the model (the weights read once, from DRAM, as in decoding):
     with the engine's linear (our C GEMV where it builds), and with torch's oneDNN linear, the library peer."""
-    from kernels.linear import linear_cpu
+    from kernels.linear import linear_cpu, linear_onednn
 
     xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in model_weights}
     ours = _best_time(lambda: [linear_cpu(xs[w.shape[1]], w) for w in model_weights], 5)
-    lib = _best_time(lambda: [torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], w, None, "none", [], "")
-                              for w in model_weights], 5)
+    lib = _best_time(lambda: [linear_onednn(xs[w.shape[1]], w) for w in model_weights], 5)
     return ours, lib
 
 

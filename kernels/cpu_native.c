@@ -19,6 +19,24 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* sum_i a[i] * b[i]: four independent FMA chains over 32 floats, then 8 at a time, then one by one */
+static inline float dot_f32(const float *a, const float *b, long n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
+    __m256 a3 = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), a3);
+    }
+    for (; i + 8 <= n; i += 8)
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
 /* y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]), for r < rows: x (rows, in), w (out, in), y (rows, out),
  * all float32, row-major, contiguous. Each thread walks its contiguous share of the weight rows in order (one
  * stream per thread: on this class of machine that reads at about the copy bandwidth, where interleaving 4
@@ -28,23 +46,8 @@ void kvs_linear_f32(const float *x, const float *w, const float *bias, float *y,
     #pragma omp parallel for schedule(static) num_threads(threads)
     for (long o = 0; o < out; o++) {
         const float *wr = w + o * in;
-        for (long r = 0; r < rows; r++) {
-            const float *xr = x + r * in;
-            __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
-            __m256 a3 = _mm256_setzero_ps();
-            long i = 0;
-            for (; i + 32 <= in; i += 32) {  /* 4 independent FMA chains */
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + i), _mm256_loadu_ps(xr + i), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + i + 8), _mm256_loadu_ps(xr + i + 8), a1);
-                a2 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + i + 16), _mm256_loadu_ps(xr + i + 16), a2);
-                a3 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + i + 24), _mm256_loadu_ps(xr + i + 24), a3);
-            }
-            for (; i + 8 <= in; i += 8)
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(wr + i), _mm256_loadu_ps(xr + i), a0);
-            float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-            for (; i < in; i++) s += wr[i] * xr[i];
-            y[r * out + o] = s + (bias ? bias[o] : 0.0f);
-        }
+        for (long r = 0; r < rows; r++)
+            y[r * out + o] = dot_f32(wr, x + r * in, in) + (bias ? bias[o] : 0.0f);
     }
 }
 
@@ -107,18 +110,6 @@ static inline __m256 exp256(__m256 x) {
     y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-static inline float dot_f32(const float *a, const float *b, long n) {
-    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
-    long i = 0;
-    for (; i + 16 <= n; i += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), s1);
-    }
-    float s = hsum(_mm256_add_ps(s0, s1));
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
 }
 
 /* Eight dot products in, one vector of their eight sums out (a hadd tree: one reduction per 8 keys, not 8). */

@@ -54,6 +54,12 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
+def linear_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch's oneDNN linear on a 2-D input as it is (no row padding): the library path, and the peer the
+    benches time our GEMV against."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
 def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """Our C kernel (kernels/cpu_native.c) for the bandwidth-bound few-row case; None where it does not apply."""
     if (x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS or not fp32_on_cpu(x, weight, bias)
@@ -78,6 +84,6 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         padded = row_bucket(rows)
         if padded != rows:
             x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-        y = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        y = linear_onednn(x, weight, bias)
         return y[:rows] if padded != rows else y
     return F.linear(x, weight, bias)

@@ -112,7 +112,8 @@ def _sdpa_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | N
     plan: list[tuple] = []
     decode = [b for b, n in enumerate(meta.query_lens_host) if n == 1]
     if native_decode and decode:  # every decode row in one call of our C kernel, reading the pages in place
-        plan.append(("native decode", *(torch.tensor(x, dtype=torch.int64) for x in (
+        tables = meta.block_tables.to(torch.int32).contiguous()  # no copy when the runner's already are
+        plan.append(("native decode", tables, *(torch.tensor(x, dtype=torch.int64) for x in (
             decode, [starts[b] for b in decode], [meta.seq_lens_host[b] for b in decode]))))
         decode = []
     for group in _decode_buckets([meta.seq_lens_host[b] for b in decode]):
@@ -191,10 +192,7 @@ def paged_attention_sdpa(
                      and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
     for step in _sdpa_plan(meta, block_size, sliding_window, q.device, native_decode):
         if step[0] == "native decode":
-            _, rows, tokens, ctx = step
-            tables = meta.block_tables
-            if tables.dtype != torch.int32 or not tables.is_contiguous():
-                tables = tables.to(torch.int32).contiguous()
+            _, tables, rows, tokens, ctx = step
             lib.kvs_paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                      tables.data_ptr(), tables.stride(0), rows.data_ptr(), tokens.data_ptr(),
                                      ctx.data_ptr(), len(rows), num_heads, num_kv_heads, head_dim, block_size,
