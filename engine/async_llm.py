@@ -1,15 +1,23 @@
-"""AsyncLLM: the engine for servers. One background thread runs the step loop; callers stream with
+"""AsyncLLM: the engine for servers. One background thread owns the engine and runs the step loop; callers
+stream with
 
     async for out in llm.generate(prompt, params, request_id): ...
 
-Each yielded RequestOutput carries the text and tokens new since the previous one (text_delta,
-token_ids_delta); outputs that pile up while the caller is busy are merged into one, so a loaded server
+The engine thread is the only one that touches engine state. Callers reach it through a command queue
+(add, abort), get outputs delivered to their event loop, and read `stats()`: an immutable snapshot the
+thread publishes after every step and command. Outputs follow params.output_kind; with DELTA (what
+servers ask for) outputs that pile up while a caller is busy are merged into one, so a loaded server
 sends fewer, larger chunks instead of falling further behind. Leaving the loop early, or cancelling the
 task, aborts the request and frees its blocks.
+
+If the loop itself fails (anything escaping a step or a command, not a failed forward, which fails only
+its batch), every live request ends with an error, the engine is marked unhealthy (`check_health` raises,
+so Ray Serve replaces the replica) and later requests are refused at once.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -18,8 +26,8 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine
-from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.outputs import RequestOutput, merge_delta
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +35,12 @@ logger = logging.getLogger(__name__)
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         self.config = config or EngineConfig(**kwargs)
-        self.engine = LLMEngine(self.config)
+        engine = LLMEngine(self.config)
+        self._engine = engine  # touched by the engine thread only, from here on
+        self.tokenizer = engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self._stats = engine.stats()
+        self._dead: str | None = None  # why the engine loop died
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
@@ -36,30 +49,42 @@ class AsyncLLM:
 
     # ---- caller side ----
     def get_tokenizer(self) -> Any:
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return self.engine.max_model_len
+        return self.tokenizer
 
     def stats(self) -> EngineStats:
-        return self.engine.stats()
+        """The latest snapshot the engine thread published; safe from any thread."""
+        return self._stats
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._dead is None and self._thread.is_alive()
+
+    def check_health(self) -> None:
+        """Raises RuntimeError saying why when the engine can no longer serve."""
+        if self._dead is not None:
+            raise RuntimeError(f"the engine loop failed and serves no more requests: {self._dead}")
+        if not self._thread.is_alive():
+            raise RuntimeError("the engine loop thread is not running (the engine was shut down)")
 
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """Raises ValueError (before yielding) when the request is invalid; RuntimeError if the engine failed it."""
-        if self._stopped.is_set():
-            raise RuntimeError("the engine is shut down")
+        """Raises ValueError (before yielding) when the request is invalid or its id is already in use;
+        RuntimeError if the engine failed it or cannot serve."""
+        self.check_health()
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use by a running request; use a unique id")
         loop = asyncio.get_running_loop()
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (loop, stream)
         self._commands.put(("add", request_id, prompt, params))
+        delta = params.output_kind is RequestOutputKind.DELTA
         finished = False
         try:
             while True:
                 item = await stream.get()
                 while not isinstance(item, BaseException) and not stream.empty():
-                    item = _merge(item, stream.get_nowait())  # a slow reader gets one item, not a backlog
+                    newer = stream.get_nowait()  # a slow reader gets one item, not a backlog
+                    item = newer if isinstance(newer, BaseException) or not delta else merge_delta(item, newer)
                 if isinstance(item, BaseException):
                     raise item
                 if item.error:
@@ -97,47 +122,54 @@ class AsyncLLM:
         if kind == "add":
             _, request_id, prompt, params = command
             try:
-                self.engine.add_request(request_id, prompt, params)
+                self._engine.add_request(request_id, prompt, params)
             except ValueError as e:
                 self._deliver(request_id, e)
             if request_id not in self._streams:  # the caller left before we got to it
-                self.engine.abort_request(request_id)
+                self._engine.abort_request(request_id)
         elif kind == "abort":
-            self.engine.abort_request(command[1])
+            self._engine.abort_request(command[1])
+
+    def _run_once(self) -> None:
+        engine = self._engine
+        try:
+            idle = not engine.has_unfinished_requests()
+            self._handle(self._commands.get(timeout=0.5) if idle else self._commands.get_nowait())
+            return  # drain all commands before the next step
+        except queue.Empty:
+            pass
+        if engine.has_unfinished_requests():
+            for out in engine.step():
+                self._deliver(out.request_id, out)
+        self._stats = engine.stats()
 
     def _loop(self) -> None:
-        while not self._stopped.is_set():
+        try:
+            while not self._stopped.is_set():
+                self._run_once()
+        except Exception as e:  # a bug in scheduling or bookkeeping: fail everything rather than hang clients
+            logger.exception("kvscale engine loop failed; failing every live request and refusing new ones")
+            self._dead = f"{type(e).__name__}: {e}"
+            self._stats = dataclasses.replace(self._stats, is_healthy=False)  # before any caller hears of it
+            self._fail_all(f"the engine failed: {self._dead}")
             try:
-                idle = not self.engine.has_unfinished_requests()
-                self._handle(self._commands.get(timeout=0.5) if idle else self._commands.get_nowait())
-                continue  # drain all commands before the next step
-            except queue.Empty:
-                pass
-            if not self.engine.has_unfinished_requests():
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as e:  # a bug in scheduling itself: fail everything rather than hang clients
-                logger.exception("engine loop failed; aborting all requests")
-                for request_id in list(self.engine.requests):
-                    self.engine.abort_request(request_id)
-                    self._deliver(request_id, RuntimeError(f"engine failed: {e}"))
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
-        for request_id in list(self.engine.requests):
-            self.engine.abort_request(request_id)
-            self._deliver(request_id, RuntimeError("the engine shut down"))
+                self._stats = dataclasses.replace(self._engine.stats(), is_healthy=False)  # blocks freed
+            except Exception:
+                logger.exception("kvscale: no stats after the failure")
+            while not self._stopped.is_set():  # answer what was queued meanwhile, so no caller hangs
+                try:
+                    command = self._commands.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                if command[0] == "add":
+                    self._deliver(command[1], RuntimeError(f"the engine failed: {self._dead}"))
+            return
+        self._fail_all("the engine shut down")
 
-
-def _merge(older: RequestOutput, newer: RequestOutput | BaseException) -> RequestOutput | BaseException:
-    """One output standing for two consecutive ones: the newer state, with both deltas."""
-    if isinstance(newer, BaseException) or newer.error:
-        return newer
-    by_index = {c.index: c for c in older.outputs}
-    for c in newer.outputs:
-        prev = by_index.get(c.index)
-        if prev is not None:
-            c.text_delta = prev.text_delta + c.text_delta
-            c.token_ids_delta = prev.token_ids_delta + c.token_ids_delta
-    return newer
+    def _fail_all(self, error: str) -> None:
+        try:
+            self._engine.fail_requests(self._engine.request_ids, error)
+        except Exception:  # the bookkeeping itself may be what broke; the callers still get their error
+            logger.exception("kvscale: could not free the requests' blocks after the failure")
+        for request_id in list(self._streams):
+            self._deliver(request_id, RuntimeError(error))

@@ -196,23 +196,29 @@ class BlockManager:
         self.block_hash[block_id] = None
         self.block_tokens[block_id] = None
 
-    def check_invariants(self, live: Iterable[BlockTableOwner] = ()) -> None:
-        """Raise AssertionError if the bookkeeping is inconsistent. For tests and debugging."""
+    def check_invariants(self, live: Iterable[BlockTableOwner]) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent with `live`, every sequence that may hold
+        blocks (pass [] when none should): a block whose reference count no live table explains is a leak.
+        For tests and debugging."""
         holders = [0] * self.num_total_blocks
         for seq in live:
             if len(set(seq.block_ids)) != len(seq.block_ids):
                 raise AssertionError(f"a sequence holds a block twice: {seq.block_ids}")
             for block_id in seq.block_ids:
                 holders[block_id] += 1
-        if holders != self.ref_counts and live:
-            raise AssertionError("reference counts differ from the block tables that hold them")
+        if holders != self.ref_counts:
+            leaked = [b for b, (h, r) in enumerate(zip(holders, self.ref_counts)) if r > h]
+            raise AssertionError(f"reference counts differ from the block tables that hold them (blocks counted "
+                                 f"but held by no live sequence, i.e. leaked: {leaked[:10]})")
         if any(r < 0 for r in self.ref_counts):
             raise AssertionError("negative reference count")
         free = {b for b, r in enumerate(self.ref_counts) if r == 0}
-        if free != set(self.free_block_ids):
+        if free != set(self.free_block_ids) or len(free) != len(self.free_block_ids):
             raise AssertionError("free list differs from the blocks with reference count 0")
-        if self.num_free_blocks + self.num_used_blocks != self.num_total_blocks:
-            raise AssertionError("free + used != total")
+        num_held = sum(1 for r in self.ref_counts if r > 0)
+        if num_held != self.num_used_blocks or num_held + self.num_free_blocks != self.num_total_blocks:
+            raise AssertionError(f"{num_held} blocks are held, but used={self.num_used_blocks} and "
+                                 f"free={self.num_free_blocks} of {self.num_total_blocks}")
         if self._num_free_cached != sum(1 for b in self.free_block_ids if self.block_hash[b] is not None):
             raise AssertionError("cached-free counter is off")
         for h, block_id in self.hash_to_block.items():

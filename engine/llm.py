@@ -1,14 +1,15 @@
 """LLM: the offline, vLLM-compatible API. `LLM(...).generate(prompts, params)` runs them all to the end."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence as SequenceABC
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int] | dict
 
@@ -23,19 +24,17 @@ def _as_prompt_list(prompts: Prompt | SequenceABC[Prompt]) -> list[Prompt]:
 
 
 class LLM:
-    def __init__(self, model: str = "default", dtype: str = "auto", device: str = "auto", block_size: int = 16,
-                 num_kv_blocks: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True, seed: int = 0,
-                 **kwargs: Any) -> None:
-        self.config = EngineConfig(model=model, dtype=dtype, device=device, block_size=block_size,
-                                   num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                                   enable_prefix_caching=enable_prefix_caching, seed=seed, **kwargs)
+    def __init__(self, model: str = "default", **kwargs: Any) -> None:
+        """kwargs: any field of engine.config.EngineConfig (dtype, device, block_size, num_kv_blocks, ...)."""
+        self.config = EngineConfig(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     def generate(self, prompts: Prompt | SequenceABC[Prompt],
                  sampling_params: SamplingParams | SequenceABC[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -47,6 +46,7 @@ class LLM:
             else list(sampling_params)
         if len(params) != len(prompt_list):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompt_list)} prompts")
+        params = [dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params]
         request_ids = [f"offline-{next(self._ids)}" for _ in prompt_list]
         try:
             for rid, prompt, p in zip(request_ids, prompt_list, params):

@@ -1,50 +1,33 @@
-"""LLMEngine: requests in, outputs out. A step reads as schedule -> run -> update.
+"""LLMEngine: requests in, outputs out. A step reads as schedule -> run -> update -> outputs.
 
-Owns the scheduler (with its block manager), the model runner and the tokenizer. Not thread-safe: the
-offline LLM drives it directly, AsyncLLM drives it from one background thread.
+Owns the scheduler (with its block manager), the model runner, the tokenizer and the output processor.
+Not thread-safe, and never read from another thread: the offline LLM drives it directly; AsyncLLM drives
+it from one background thread and publishes the `stats()` snapshot it takes after each step.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.detokenizer import IncrementalDetokenizer, find_stop_string, stream_safe_length
-from engine.kv_demand import projected_demand_blocks
 from engine.loader import load_hf_config, load_tokenizer, resolve_model_path
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.output_processor import OutputProcessor, RequestState
+from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
-from engine.sequence import Logprob, Sequence
+from engine.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    arrival_time: float = field(default_factory=time.monotonic)
-    first_token_time: float | None = None
-    emitted_chars: list[int] = field(default_factory=list)
-    emitted_tokens: list[int] = field(default_factory=list)
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
-
-
-@dataclass
+@dataclass(frozen=True)
 class EngineStats:
-    """Exact counts, cheap to read; what metrics and the autoscaler see."""
+    """An immutable snapshot of the engine's counts, taken by the thread that owns the engine; what metrics,
+    the autoscaler and the router read, from any thread."""
 
     num_total_blocks: int
     num_free_blocks: int  # cached-but-evictable blocks count as free
@@ -59,6 +42,12 @@ class EngineStats:
     num_generation_tokens_total: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
+    kv_demand_blocks: int  # blocks the live sequences will hold at their end (engine.kv_demand)
+    num_steps_total: int
+    step_seconds_total: float  # time spent in steps (schedule, forward, sample, update)
+    last_step_seconds: float
+    last_step_num_tokens: int
+    is_healthy: bool = True
 
 
 class LLMEngine:
@@ -86,11 +75,14 @@ class LLMEngine:
                              f"({max_positions})")
         self.runner.capture_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.requests: dict[str, RequestState] = {}
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.eos_token_ids, self.max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.num_prompt_tokens_total = 0
-        self.num_generation_tokens_total = 0
-        self.recent_output_lens: deque[int] = deque(maxlen=256)  # of finished sequences, for demand estimates
+        self.num_steps_total = 0
+        self.step_seconds_total = 0.0
+        self.last_step_seconds = 0.0
+        self.last_step_num_tokens = 0
 
     def _eos_token_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -130,7 +122,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
         """Validate and queue. Raises ValueError for a request that can never run; nothing is queued then."""
-        if request_id in self.requests:
+        if request_id in self.output_processor.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.runner.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
@@ -155,128 +147,77 @@ class LLMEngine:
         seqs = [Sequence(request_id, j, list(token_ids), params) for j in range(params.n)]
         for seq in seqs[1:]:
             seq.parent = seqs[0]  # samples 2..n share sample 1's computed prompt blocks
+        self.output_processor.add(RequestState(request_id, text, list(token_ids), params, seqs))
         for seq in seqs:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, token_ids, params.skip_special_tokens)
             self.scheduler.add(seq)
-        self.requests[request_id] = RequestState(request_id, text, list(token_ids), params, seqs,
-                                                 emitted_chars=[0] * params.n, emitted_tokens=[0] * params.n)
         self.num_prompt_tokens_total += len(token_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its blocks. Unknown or finished ids are ignored."""
-        state = self.requests.pop(request_id, None)
+        state = self.output_processor.pop(request_id)
         if state is None:
             return None
-        for seq in state.seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq, "abort")
-            self.runner.sampler.forget(seq.seq_id)
-        return self._make_output(state)
+        self._end(state, "abort")
+        return self.output_processor.make_output(state)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.output_processor.requests
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self.output_processor.requests)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished
 
     # ---- the step ----
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
         try:
-            sample_rows, sampled = self.runner.execute(batch)
-        except Exception as e:  # a failed step fails the requests in it, and only those
+            sampled = self.runner.execute(batch)
+        except Exception as e:  # a failed forward fails the requests in it, and only those
             logger.exception("engine step failed; failing the %d requests in it", len(batch.seqs))
             return self._fail_batch(batch, e)
-        return self._update(batch, sample_rows, sampled)
-
-    def _update(self, batch: ScheduledBatch, sample_rows: list[int], sampled) -> list[RequestOutput]:
-        for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.register_full_blocks(seq)
-        touched: dict[str, RequestState] = {}
-        now = time.monotonic()
-        for k, row in enumerate(sample_rows):
-            seq = batch.seqs[row]
-            token = sampled.token_ids[k]
-            seq.token_ids.append(token)
-            self.num_generation_tokens_total += 1
-            if sampled.logprobs is not None and seq.logprobs is not None:
-                self._record_logprobs(seq, token, sampled.logprobs, k)
-            reason = self._check_stop(seq, token)
-            if reason is not None:
-                self.recent_output_lens.append(seq.num_output_tokens)
-                self.scheduler.finish(seq, reason)
+        token_ids = sampled.token_ids if sampled is not None else []
+        seqs = self.scheduler.update_from_output(batch, token_ids)
+        outputs = self.output_processor.process(seqs, sampled.logprobs if sampled is not None else None)
+        for seq in seqs:
+            if seq.is_finished:
                 self.runner.sampler.forget(seq.seq_id)
-            state = self.requests[seq.request_id]
-            state.first_token_time = state.first_token_time or now
-            touched[seq.request_id] = state
-        outputs = []
-        for request_id, state in touched.items():
-            outputs.append(self._make_output(state))
-            if state.finished:
-                del self.requests[request_id]
+        self.num_steps_total += 1
+        self.last_step_seconds = time.perf_counter() - start
+        self.step_seconds_total += self.last_step_seconds
+        self.last_step_num_tokens = batch.num_tokens
         return outputs
 
-    def _check_stop(self, seq: Sequence, token: int) -> str | None:
-        p = seq.params
-        new_text = seq.detokenizer.step(seq.token_ids)
-        seq.output_text += new_text
-        if seq.num_output_tokens >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop"
-            if token in p.stop_token_ids:
-                seq.stop_reason = token
-                return "stop"
-            if p.stop_strings and new_text:
-                hit = find_stop_string(seq.output_text, len(new_text), p.stop_strings)
-                if hit is not None:
-                    seq.stop_reason = hit[0]
-                    seq.output_text = seq.output_text[: hit[1]]
-                    return "stop"
-        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
-        return None
-
-    def _record_logprobs(self, seq: Sequence, token: int, lp, k: int) -> None:
-        entry = {token: Logprob(lp.token_logprobs[k], lp.token_ranks[k], self.tokenizer.decode([token]))}
-        for rank, (tid, val) in enumerate(zip(lp.top_ids[k], lp.top_logprobs[k]), start=1):
-            if tid not in entry:
-                entry[tid] = Logprob(val, rank, self.tokenizer.decode([tid]))
-        seq.logprobs.append(entry)
-        seq.cumulative_logprob += lp.token_logprobs[k]
+    def _end(self, state: RequestState, reason: str) -> None:
+        for seq in state.seqs:
+            self.scheduler.finish(seq, reason)  # a no-op for samples that already ended
+            self.runner.sampler.forget(seq.seq_id)
 
     def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
+        return self.fail_requests(dict.fromkeys(s.request_id for s in batch.seqs),
+                                  f"the engine step failed: {type(error).__name__}: {error}")
+
+    def fail_requests(self, request_ids: Iterable[str], error: str) -> list[RequestOutput]:
+        """End these requests now (blocks freed) with an output that carries `error`."""
         outputs = []
-        for request_id in dict.fromkeys(s.request_id for s in batch.seqs):
-            state = self.requests.pop(request_id, None)
+        for request_id in request_ids:
+            state = self.output_processor.pop(request_id)
             if state is None:
                 continue
-            for seq in state.seqs:
-                self.scheduler.finish(seq, "abort")
-                self.runner.sampler.forget(seq.seq_id)
-            out = self._make_output(state)
-            out.error = f"the engine step failed: {type(error).__name__}: {error}"
+            self._end(state, "abort")
+            out = self.output_processor.make_output(state)
+            out.error = error
             outputs.append(out)
         return outputs
 
-    def _make_output(self, state: RequestState) -> RequestOutput:
-        completions = []
-        for j, seq in enumerate(state.seqs):
-            visible = stream_safe_length(seq.output_text, seq.params.stop_strings, seq.is_finished)
-            text = seq.output_text[:visible]
-            tokens = seq.output_token_ids
-            completions.append(CompletionOutput(
-                index=j, text=text, token_ids=tokens, finish_reason=seq.finish_reason,
-                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob if seq.logprobs is not None else None,
-                stop_reason=seq.stop_reason,
-                text_delta=text[state.emitted_chars[j]:], token_ids_delta=tokens[state.emitted_tokens[j]:],
-            ))
-            state.emitted_chars[j], state.emitted_tokens[j] = len(text), len(tokens)
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished=state.finished, num_cached_tokens=state.seqs[0].num_cached_tokens)
-
     # ---- introspection ----
     def stats(self) -> EngineStats:
+        """A snapshot; take it on the thread that drives the engine (AsyncLLM publishes one per step)."""
         bm, sch = self.block_manager, self.scheduler
         return EngineStats(
             num_total_blocks=bm.num_total_blocks, num_free_blocks=bm.num_free_blocks,
@@ -285,20 +226,16 @@ class LLMEngine:
             num_waiting_for_kv=sch.num_waiting_for_kv,
             num_preemptions_total=sch.num_preemptions_total,
             num_prompt_tokens_total=self.num_prompt_tokens_total,
-            num_generation_tokens_total=self.num_generation_tokens_total,
+            num_generation_tokens_total=sch.num_generation_tokens_total,
             prefix_cache_queried_tokens=bm.num_prefix_queried_tokens, prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
+            kv_demand_blocks=sch.projected_demand_blocks(), num_steps_total=self.num_steps_total,
+            step_seconds_total=self.step_seconds_total, last_step_seconds=self.last_step_seconds,
+            last_step_num_tokens=self.last_step_num_tokens,
         )
-
-    def projected_demand_blocks(self) -> int:
-        """Blocks the live sequences will hold at their end, not just now (see engine.kv_demand)."""
-        return projected_demand_blocks(self.scheduler.live_sequences(), self.recent_output_lens,
-                                       self.config.block_size)
 
     def live_sequences(self) -> Iterable[Sequence]:
         return self.scheduler.live_sequences()
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
-    import dataclasses
-
     return dataclasses.replace(params, max_tokens=max_tokens)

@@ -142,7 +142,7 @@ class ModelRunner:
         positions = torch.arange(len(input_ids)) - cu[:-1].long()[seq_idx] + torch.tensor(starts)[seq_idx]
         bs = self.block_size
         slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
-        sample_rows = [i for i in range(len(seqs)) if batch.will_sample(i)]
+        sample_rows = batch.sample_rows()
         logits_idx = (cu[1:] - 1).long()[sample_rows]
 
         dev = self.device
@@ -155,14 +155,14 @@ class ModelRunner:
         return torch.tensor(input_ids, device=dev), positions.to(dev), meta, sample_rows, logits_idx.to(dev)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[int], SamplerOutput | None]:
-        """Run one step. Returns the batch rows that sampled and what they sampled."""
+    def execute(self, batch: ScheduledBatch) -> SamplerOutput | None:
+        """Run one step. Returns what the rows of batch.sample_rows() sampled, in that order (None: none did)."""
         input_ids, positions, meta, sample_rows, logits_idx = self.prepare(batch)
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if not sample_rows:
-            return [], None
+            return None
         logits = self.model.compute_logits(hidden[logits_idx])
-        return sample_rows, self.sampler(logits, [batch.seqs[i] for i in sample_rows])
+        return self.sampler(logits, [batch.seqs[i] for i in sample_rows])

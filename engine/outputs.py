@@ -1,7 +1,12 @@
-"""What the engine hands back: vLLM-shaped RequestOutput / CompletionOutput."""
+"""What the engine hands back: vLLM-shaped RequestOutput / CompletionOutput.
+
+What a CompletionOutput's text, token_ids and logprobs hold depends on the request's
+SamplingParams.output_kind: everything so far (CUMULATIVE, the default; FINAL_ONLY, once at the end), or
+only what is new since the request's previous output (DELTA, what streaming servers ask for).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.sequence import Logprob
 
@@ -9,14 +14,13 @@ from engine.sequence import Logprob
 @dataclass
 class CompletionOutput:
     index: int
-    text: str  # all text so far (stop strings cut off; in streams a possible stop prefix held back)
+    text: str  # stop strings cut off; in streams a tail that may begin a stop string is held back
     token_ids: list[int]
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
-    logprobs: list[dict[int, Logprob]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # one entry per token of token_ids
     cumulative_logprob: float | None = None
     stop_reason: str | int | None = None  # which stop string / token id ended it
-    text_delta: str = ""  # new since the previous output of this request (streaming)
-    token_ids_delta: list[int] = field(default_factory=list)
+    num_output_tokens: int = 0  # tokens generated so far, whatever the output kind
 
     @property
     def finished(self) -> bool:
@@ -32,3 +36,20 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed this request
+
+
+def merge_delta(older: RequestOutput, newer: RequestOutput) -> RequestOutput:
+    """One DELTA output standing for two consecutive ones of a request: the newer state, both deltas."""
+    if newer.error:
+        return newer
+    merged = {c.index: c for c in older.outputs}
+    for c in newer.outputs:
+        prev = merged.get(c.index)
+        if prev is not None:
+            c.text = prev.text + c.text
+            c.token_ids = prev.token_ids + c.token_ids
+            if c.logprobs is not None and prev.logprobs is not None:
+                c.logprobs = prev.logprobs + c.logprobs
+        merged[c.index] = c
+    newer.outputs = [merged[i] for i in sorted(merged)]
+    return newer

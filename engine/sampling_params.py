@@ -1,10 +1,19 @@
 """SamplingParams: how one request is decoded (vLLM's field names and meanings)."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
 MAX_N = 1024  # a hard ceiling; servers set their own, lower one (ServeConfig.max_n)
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names and meanings)."""
+
+    CUMULATIVE = 0  # everything so far: text, token ids and logprobs since the start
+    DELTA = 1  # only what is new since the previous output of the request (streaming servers)
+    FINAL_ONLY = 2  # one output, when the request ends (offline batches)
 
 
 @dataclass
@@ -25,6 +34,7 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # top-k logprobs for each sampled token (plus the sampled one)
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
@@ -85,6 +95,8 @@ class SamplingParams:
             raise bad("seed", "an integer or None")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= 20):
             raise bad("logprobs", "an integer in [0, 20] or None")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "a RequestOutputKind")
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")

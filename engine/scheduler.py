@@ -15,15 +15,23 @@ The rules, all of them here:
    (or forced a preemption), the waiting sequences are counted as waiting for KV: the autoscaler's
    signal that this replica is out of memory, not just busy.
 4. A request that can never fit is refused when it is added (see LLMEngine), never queued forever.
+5. After the model ran a batch, `update_from_output` is the one update path (the engine, the tests and the
+   autoscaling simulator all call it): computed counts catch up, newly full blocks go to the prefix
+   cache, sampled tokens are appended, and EOS / stop token ids / max_tokens / max_model_len end
+   sequences and free their blocks. Stop strings need text, so the engine's output processor checks them
+   and ends such a sequence through `finish`.
 """
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.kv_demand import projected_demand_blocks
 from engine.sequence import Sequence, SequenceStatus
+
+RECENT_OUTPUT_LENS = 256  # finished sequences remembered for the demand estimate (engine.kv_demand)
 
 
 @dataclass
@@ -45,16 +53,25 @@ class ScheduledBatch:
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
 
+    def sample_rows(self) -> list[int]:
+        """Rows that sample a token this step (valid until update_from_output moves the counts)."""
+        return [i for i in range(len(self.seqs)) if self.will_sample(i)]
+
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None) -> None:
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions_total = 0
         self.num_waiting_for_kv = 0  # waiting sequences the last step left out for lack of KV blocks
+        self.num_generation_tokens_total = 0
+        self.recent_output_lens: deque[int] = deque(maxlen=RECENT_OUTPUT_LENS)  # of sequences that ended
 
     # ---- queue ----
     def add(self, seq: Sequence) -> None:
@@ -88,6 +105,44 @@ class Scheduler:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
+        if reason != "abort":
+            self.recent_output_lens.append(seq.num_output_tokens)
+
+    def projected_demand_blocks(self) -> int:
+        """Blocks the live sequences will hold at their end, not just now (see engine.kv_demand)."""
+        return projected_demand_blocks(self.live_sequences(), self.recent_output_lens, self.block_manager.block_size)
+
+    # ---- after the model ran ----
+    def update_from_output(self, batch: ScheduledBatch, sampled_token_ids: Iterable[int]) -> list[Sequence]:
+        """Advance every sequence of `batch` past this step. sampled_token_ids holds one token for each
+        sequence that sampled (batch.sample_rows, in that order). Returns those sequences, in that order;
+        the ones that ended are finished (blocks freed) with finish_reason set."""
+        rows = batch.sample_rows()  # before the counts move: which sequences had all their tokens computed
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.register_full_blocks(seq)
+        sampled = []
+        for row, token in zip(rows, sampled_token_ids, strict=True):
+            seq = batch.seqs[row]
+            seq.token_ids.append(token)
+            self.num_generation_tokens_total += 1
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+            sampled.append(seq)
+        return sampled
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                seq.stop_reason = token
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or (self.max_model_len and seq.num_tokens >= self.max_model_len):
+            return "length"
+        return None
 
     # ---- the step ----
     def schedule(self) -> ScheduledBatch:

@@ -44,7 +44,7 @@ def main() -> None:
                 got[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
                 secs = time.perf_counter() - t
                 replays = 0 if eager else llm.engine.runner.graphs.replays
-                assert llm.engine.stats().num_free_blocks == 512
+                assert llm.stats().num_free_blocks == 512
                 print(f"{dtype} batch {batch:3d} {'eager ' if eager else 'graphs'}: {secs:.2f} s, "
                       f"{replays} graph replays", flush=True)
                 del llm

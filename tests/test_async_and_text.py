@@ -7,6 +7,7 @@ import asyncio
 import pytest
 
 from engine import AsyncLLM, LLM, SamplingParams
+from engine.sampling_params import RequestOutputKind
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string, stream_safe_length
 
 
@@ -18,45 +19,82 @@ def async_llm(make_tiny_model):
     llm.shutdown()
 
 
-def test_stream_deltas_add_up_to_the_offline_result(async_llm, make_tiny_model):
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+def test_each_output_kind_adds_up_to_the_offline_result(async_llm, make_tiny_model):
+    """DELTA outputs carry only what is new and add up; CUMULATIVE ones carry everything so far; FINAL_ONLY
+    yields once. All three end where the offline engine ends."""
     prompt = "Streaming text, one token at a time"
 
-    async def collect():
-        text, tokens, n = "", [], 0
-        async for out in async_llm.generate(prompt, params, "s1"):
-            c = out.outputs[0]
-            text += c.text_delta
-            tokens += c.token_ids_delta
-            n += 1
-        return text, tokens, n, out
+    async def collect(kind, rid):
+        params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0, output_kind=kind)
+        items = []
+        async for out in async_llm.generate(prompt, params, rid):
+            items.append(out.outputs[0])
+        return items
 
-    text, tokens, n, last = asyncio.run(collect())
-    assert 1 <= n <= 12 and last.finished  # one item per step, fewer if the reader fell behind
-    assert text == last.outputs[0].text and tokens == last.outputs[0].token_ids
     offline = LLM(model=make_tiny_model("llama"), dtype="float32", device="cpu", num_kv_blocks=64,
-                  show_progress=False).generate(prompt, params)[0].outputs[0]
-    assert tokens == offline.token_ids and text == offline.text
+                  show_progress=False).generate(prompt, SamplingParams(temperature=0, max_tokens=12,
+                                                                       ignore_eos=True))[0].outputs[0]
+    deltas = asyncio.run(collect(RequestOutputKind.DELTA, "s-delta"))
+    assert 1 <= len(deltas) <= 12  # one item per step, fewer if the reader fell behind
+    assert all(c.token_ids for c in deltas), "a delta with nothing new was sent"
+    assert [t for c in deltas for t in c.token_ids] == offline.token_ids
+    assert "".join(c.text for c in deltas) == offline.text
+    assert sum(len(c.logprobs) for c in deltas) == 12 and deltas[-1].num_output_tokens == 12
+    assert [c.finish_reason for c in deltas] == [None] * (len(deltas) - 1) + ["length"]
+    cumulative = asyncio.run(collect(RequestOutputKind.CUMULATIVE, "s-cum"))
+    assert [len(c.token_ids) for c in cumulative] == sorted({len(c.token_ids) for c in cumulative})
+    assert cumulative[-1].token_ids == offline.token_ids and cumulative[-1].text == offline.text
+    assert len(cumulative[-1].logprobs) == 12
+    (final,) = asyncio.run(collect(RequestOutputKind.FINAL_ONLY, "s-final"))
+    assert final.token_ids == offline.token_ids and final.finish_reason == "length"
 
 
 def test_a_slow_reader_gets_merged_outputs_whose_deltas_still_add_up(async_llm):
-    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=40, ignore_eos=True, logprobs=1)
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=40, ignore_eos=True, logprobs=1,
+                            output_kind=RequestOutputKind.DELTA)
 
     async def collect():
-        texts, tokens, items = ["", ""], [[], []], 0
+        texts, tokens, lps, items = ["", ""], [[], []], [[], []], 0
         async for out in async_llm.generate([9] * 12, params, "slow"):
             items += 1
             for c in out.outputs:
-                texts[c.index] += c.text_delta
-                tokens[c.index] += c.token_ids_delta
+                texts[c.index] += c.text
+                tokens[c.index] += c.token_ids
+                lps[c.index] += c.logprobs
             await asyncio.sleep(0.05)  # busier than the engine: several steps land while we sleep
-        return texts, tokens, items, out
+        return texts, tokens, lps, items
 
-    texts, tokens, items, last = asyncio.run(collect())
+    texts, tokens, lps, items = asyncio.run(collect())
     assert items < 40, "nothing was merged"
-    for c in last.outputs:
+    cumulative = asyncio.run(_final(async_llm, [9] * 12, params, "slow-again"))
+    for c in cumulative.outputs:  # same seed: the same samples, so the merged deltas must add up to them
         assert tokens[c.index] == c.token_ids and texts[c.index] == c.text and len(c.token_ids) == 40
-        assert len(c.logprobs) == 40
+        assert [next(iter(e)) for e in lps[c.index]] == c.token_ids
+
+
+async def _final(llm, prompt, params, rid):
+    import dataclasses
+
+    async for out in llm.generate(prompt, dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY),
+                                  rid):
+        pass
+    return out
+
+
+def test_a_reused_request_id_is_refused_and_the_first_stream_goes_on(async_llm):
+    async def main():
+        params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+        first = async_llm.generate([3] * 8, params, "dup")
+        out = await first.__anext__()
+        with pytest.raises(ValueError, match="already in use"):
+            async for _ in async_llm.generate([4] * 8, params, "dup"):
+                pass
+        async for out in first:
+            pass
+        return out
+
+    last = asyncio.run(main())
+    assert last.finished and len(last.outputs[0].token_ids) == 20
 
 
 def test_concurrent_streams_and_cancel_frees_blocks(async_llm):
@@ -129,5 +167,5 @@ def test_default_model_names_paris_offline(monkeypatch):
                    SamplingParams(temperature=0, max_tokens=24))[0].outputs[0]
     assert "Paris" in out.text
     assert out.finish_reason == "stop"  # ended on <|im_end|>, not the length cap
-    stats = llm.engine.stats()
+    stats = llm.stats()
     assert stats.num_free_blocks == stats.num_total_blocks

@@ -56,7 +56,7 @@ def test_padded_static_decode_matches_hf(hf_reference):
     outs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths])
     assert [o.outputs[0].token_ids for o in outs] == [e[:n] for e, n in zip(expected, lengths)]
     assert graphs.replays == 7, "exactly the decode steps of at most 4 rows go through the static buffers"
-    assert llm.engine.stats().num_free_blocks == 64
+    assert llm.stats().num_free_blocks == 64
 
 
 def test_graphs_refuse_ops_that_read_host_lists(make_tiny_model):

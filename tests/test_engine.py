@@ -20,7 +20,7 @@ def prompts(k=4, seed=3):
 
 
 def assert_all_free(llm):
-    stats = llm.engine.stats()
+    stats = llm.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
     llm.engine.block_manager.check_invariants([])
 
@@ -80,26 +80,25 @@ def test_stop_string_cuts_text_before_it(llm):
     assert_all_free(llm)
 
 
-def test_eos_stops_unless_ignored(llm):
+def test_eos_stops_unless_ignored(llm, monkeypatch):
     p = prompts(1)[0]
     full = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].outputs[0]
     eos = full.token_ids[3]
-    llm.engine.eos_token_ids.append(eos)
-    try:
-        out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
-        assert out.token_ids == full.token_ids[: full.token_ids.index(eos) + 1] and out.finish_reason == "stop"
-        kept = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, min_tokens=12))[0].outputs[0]
-        assert len(kept.token_ids) == 12 and eos not in kept.token_ids and kept.finish_reason == "length"
-        assert_all_free(llm)
-    finally:
-        llm.engine.eos_token_ids.remove(eos)
+    engine = llm.engine  # make that token an EOS where the engine reads EOS: the scheduler and the sampler
+    monkeypatch.setattr(engine.scheduler, "eos_token_ids", engine.scheduler.eos_token_ids | {eos})
+    monkeypatch.setattr(engine.runner.sampler, "eos_token_ids", [*engine.runner.sampler.eos_token_ids, eos])
+    out = llm.generate([p], SamplingParams(temperature=0, max_tokens=12))[0].outputs[0]
+    assert out.token_ids == full.token_ids[: full.token_ids.index(eos) + 1] and out.finish_reason == "stop"
+    kept = llm.generate([p], SamplingParams(temperature=0, max_tokens=12, min_tokens=12))[0].outputs[0]
+    assert len(kept.token_ids) == 12 and eos not in kept.token_ids and kept.finish_reason == "length"
+    assert_all_free(llm)
 
 
 def test_n_samples_share_prompt_blocks(llm):
     p = prompts(1)[0] + list(range(100, 140))  # > 2 full blocks
     engine = llm.engine
     engine.add_request("share", p, SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=6, ignore_eos=True))
-    seqs = engine.requests["share"].seqs
+    seqs = engine.output_processor.requests["share"].seqs
     outputs = []
     while engine.has_unfinished_requests():
         if all(s.block_ids for s in seqs):

@@ -86,7 +86,7 @@ def test_prefix_cache_hits_match_hf(hf_reference, variant):
     rest = llm.generate(prompts[1:], params)  # each finds the shared 2 full blocks in the cache
     assert first + [o.outputs[0].token_ids for o in rest] == expected
     assert all(o.num_cached_tokens >= 32 for o in rest)
-    assert llm.engine.stats().prefix_cache_hit_tokens >= 3 * 32
+    assert llm.stats().prefix_cache_hit_tokens >= 3 * 32
     again = llm.generate(prompts, params)  # now everything but the last block of each is cached
     assert [o.outputs[0].token_ids for o in again] == expected
 
@@ -97,8 +97,8 @@ def test_preemption_matches_hf(hf_reference, variant):
     # 8 blocks of 16 = 128 slots for six requests needing ~190: some must be preempted and recomputed
     ours, llm = _ours(path, prompts, num_kv_blocks=8, max_model_len=128)
     assert ours == expected
-    assert llm.engine.stats().num_preemptions_total > 0
-    assert llm.engine.stats().num_free_blocks == 8
+    assert llm.stats().num_preemptions_total > 0
+    assert llm.stats().num_free_blocks == 8
 
 
 def test_block_size_32_and_bf16_runs(make_tiny_model):
@@ -125,4 +125,4 @@ def test_triton_kernels_match_hf_under_chunked_prefill_and_preemption(hf_referen
     ours, _ = _ours(path, prompts, num_kv_blocks=64, max_num_batched_tokens=9, attention_backend="triton")
     assert ours == expected
     ours, llm = _ours(path, prompts, num_kv_blocks=8, max_model_len=128, attention_backend="triton")
-    assert ours == expected and llm.engine.stats().num_preemptions_total > 0
+    assert ours == expected and llm.stats().num_preemptions_total > 0

@@ -83,7 +83,7 @@ def llm(make_tiny_model):
 
 
 def _assert_all_free(llm):
-    stats = llm.engine.stats()
+    stats = llm.stats()
     assert stats.num_free_blocks == stats.num_total_blocks and stats.num_running == stats.num_waiting == 0
     llm.engine.block_manager.check_invariants([])
 
@@ -106,7 +106,7 @@ def test_any_request_is_refused_cleanly_or_runs_beside_a_good_one(llm, kwargs, p
         try:
             engine.add_request("hostile", prompt, params)
         except ValueError as e:
-            assert str(e) and "hostile" not in engine.requests
+            assert str(e) and not engine.has_request("hostile")
             event("refused by the engine")
         outputs: dict[str, object] = {}
         for _ in range(10 * MAX_MODEL_LEN):
@@ -147,5 +147,5 @@ def test_wrong_types_and_non_finite_values_are_value_errors_naming_the_field(fie
 def test_stop_token_ids_outside_the_vocabulary_are_refused(llm):
     with pytest.raises(ValueError, match="stop_token_ids"):
         llm.engine.add_request("x", [5, 6], SamplingParams(stop_token_ids=[VOCAB + 7], min_tokens=2))
-    assert "x" not in llm.engine.requests
+    assert not llm.engine.has_request("x")
     _assert_all_free(llm)

@@ -2,6 +2,7 @@
 checks the block invariants after every operation. A fake model appends tokens; no torch."""
 from __future__ import annotations
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -25,16 +26,10 @@ def new_seq(rid, n_prompt, max_tokens=4, n=1, first_token=0):
 
 
 def run_step(sch: Scheduler, next_token=7):
-    """What LLMEngine does after the model: computed counts catch up, samplers append, full ones finish."""
+    """A step with a fake model that samples `next_token` for every sequence that samples, through the
+    engine's own update path (Scheduler.update_from_output)."""
     batch = sch.schedule()
-    for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-        sample = batch.will_sample(i)
-        seq.num_computed_tokens += n
-        sch.block_manager.register_full_blocks(seq)
-        if sample:
-            seq.token_ids.append(next_token)
-            if seq.num_output_tokens >= seq.params.max_tokens:
-                sch.finish(seq, "length")
+    sch.update_from_output(batch, [next_token] * len(batch.sample_rows()))
     return batch
 
 
@@ -181,3 +176,53 @@ def test_projected_demand_counts_what_sequences_will_hold_at_their_end():
     assert projected_demand_blocks([a, b], recent, 4) == 4 + 2
     a.token_ids.extend([7] * 9)  # a already has 9 outputs: never expect fewer than it has + 1
     assert projected_demand_blocks([a], recent, 4) == 5
+
+
+def test_update_from_output_ends_on_eos_stop_ids_and_length_and_frees_blocks():
+    """The one update path: EOS (not before min_tokens, not with ignore_eos), stop token ids (named in
+    stop_reason), max_tokens and max_model_len each end a sequence and give its blocks back at once."""
+    bm = BlockManager(16, 4)
+    sch = Scheduler(bm, 8, 64, eos_token_ids=[2], max_model_len=12)
+    a = Sequence("a", 0, [5, 6, 7], SamplingParams(max_tokens=8, min_tokens=2))
+    b = Sequence("b", 0, [5, 6, 7], SamplingParams(max_tokens=8, stop_token_ids=[9]))
+    c = Sequence("c", 0, [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    d = Sequence("d", 0, list(range(10, 20)), SamplingParams(max_tokens=8))  # 10 + 2 = max_model_len
+    for s in (a, b, c, d):
+        sch.add(s)
+    batch = sch.schedule()
+    assert sch.update_from_output(batch, [2, 9, 2, 3]) == [a, b, c, d]
+    assert a.finish_reason is None  # EOS before min_tokens does not count
+    assert b.finish_reason == "stop" and b.stop_reason == 9 and b.block_ids == []
+    assert c.finish_reason is None  # ignore_eos
+    assert d.finish_reason is None and d.num_tokens == 11
+    batch = sch.schedule()
+    assert sch.update_from_output(batch, [2, 2, 4]) == [a, c, d]
+    assert a.finish_reason == "stop" and a.stop_reason is None  # EOS: no stop_reason, as in vLLM
+    assert c.finish_reason is None
+    assert d.finish_reason == "length" and d.num_tokens == 12
+    assert list(sch.recent_output_lens) == [1, 2, 2]  # b, a, d: what the demand estimate learns from
+    assert sch.num_generation_tokens_total == 7
+    sch.finish(c, "abort")  # an abort says nothing about how long outputs run
+    assert list(sch.recent_output_lens) == [1, 2, 2]
+    assert not sch.has_unfinished
+    bm.check_invariants([])
+
+
+def test_update_from_output_needs_one_token_per_sampling_row():
+    bm, sch = make(num_blocks=16, block_size=4, budget=64)
+    for rid in "ab":
+        sch.add(new_seq(rid, 3)[0])
+    batch = sch.schedule()
+    with pytest.raises(ValueError):
+        sch.update_from_output(batch, [7])
+
+
+def test_scheduler_projects_demand_from_its_own_finished_sequences():
+    bm, sch = make(num_blocks=64, block_size=4, budget=64)
+    for i in range(16):  # 16 finish after 2 tokens: enough for the p90 estimate
+        sch.add(new_seq(f"f{i}", 4, max_tokens=2)[0])
+    while sch.has_unfinished:
+        run_step(sch)
+    (a,) = new_seq("a", 10, max_tokens=30)
+    sch.add(a)
+    assert sch.projected_demand_blocks() == -(-(10 + 2) // 4)  # expected 2 outputs, not max_tokens=30

@@ -1,0 +1,109 @@
+"""AsyncLLM's ownership rules: only the engine thread touches engine state; others read the snapshot it
+publishes; a failure of the loop itself fails every live request, marks the engine unhealthy and refuses
+new requests instead of leaving callers hanging."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from engine import AsyncLLM, SamplingParams
+from engine.sampling_params import RequestOutputKind
+
+
+def test_stats_read_from_other_threads_while_the_engine_runs_thousands_of_steps(make_tiny_model):
+    llm = AsyncLLM(model=make_tiny_model("llama"), dtype="float32", device="cpu", num_kv_blocks=40,
+                   max_num_seqs=4, max_model_len=256, show_progress=False)
+    errors: list[BaseException] = []
+    snapshots = [0]
+    done = threading.Event()
+
+    def reader():
+        last = llm.stats()
+        try:
+            while not done.is_set():
+                s = llm.stats()
+                assert s.num_free_blocks + s.num_used_blocks == s.num_total_blocks == 40
+                assert 0 <= s.num_running <= 4 and s.num_waiting >= 0
+                assert s.num_steps_total >= last.num_steps_total
+                assert s.num_generation_tokens_total >= last.num_generation_tokens_total
+                assert s.kv_demand_blocks >= 0 and s.is_healthy
+                with pytest.raises(dataclasses.FrozenInstanceError):
+                    s.num_free_blocks = 0  # type: ignore[misc]
+                last = s
+                snapshots[0] += 1
+                time.sleep(0.0005)  # a poller, not a spinner: a spinning thread would starve the engine of the GIL
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    async def one(i):
+        params = SamplingParams(temperature=0.9, seed=i, max_tokens=120 + i % 7, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        n = 0
+        async for out in llm.generate([5 + i % 50] * (8 + i % 30), params, f"r{i}"):
+            n += len(out.outputs[0].token_ids) if out.outputs else 0
+        return n
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(100)))
+
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    for t in readers:
+        t.start()
+    try:
+        counts = asyncio.run(main())
+    finally:
+        done.set()
+        for t in readers:
+            t.join()
+        final = llm.stats()
+        llm.shutdown()
+    assert not errors, errors[0]
+    assert counts == [120 + i % 7 for i in range(100)]
+    assert final.num_steps_total >= 3000, final.num_steps_total  # thousands of steps, read all along
+    assert snapshots[0] > 1000
+    assert final.num_free_blocks == final.num_total_blocks and final.num_running == final.num_waiting == 0
+
+
+def test_a_failing_engine_loop_fails_live_requests_and_marks_the_engine_unhealthy(make_tiny_model):
+    llm = AsyncLLM(model=make_tiny_model("llama"), dtype="float32", device="cpu", num_kv_blocks=64,
+                   max_model_len=256, show_progress=False)
+    engine = llm._engine  # noqa: SLF001 - the fault is injected where only the engine thread looks
+    real_schedule = engine.scheduler.schedule
+    armed = threading.Event()
+
+    def schedule():
+        if armed.is_set():
+            raise RuntimeError("injected scheduler bug")
+        return real_schedule()
+
+    engine.scheduler.schedule = schedule
+
+    async def stream(rid):
+        async for out in llm.generate([7] * 10, SamplingParams(max_tokens=200, ignore_eos=True), rid):
+            armed.set()  # both streams have started: break the loop now
+        return out
+
+    async def main():
+        return await asyncio.gather(stream("a"), stream("b"), return_exceptions=True)
+
+    try:
+        results = asyncio.run(main())
+        assert all(isinstance(r, RuntimeError) and "injected scheduler bug" in str(r) for r in results), results
+        assert not llm.is_healthy and not llm.stats().is_healthy
+        with pytest.raises(RuntimeError, match="injected scheduler bug"):
+            llm.check_health()
+
+        async def late():
+            async for _ in llm.generate([7] * 10, SamplingParams(max_tokens=4), "late"):
+                pass
+
+        with pytest.raises(RuntimeError, match="engine loop failed"):
+            asyncio.run(asyncio.wait_for(late(), 5))
+        s = llm.stats()
+        assert s.num_free_blocks == s.num_total_blocks and s.num_running == s.num_waiting == 0
+    finally:
+        llm.shutdown()
