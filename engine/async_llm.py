@@ -150,12 +150,7 @@ class AsyncLLM:
         except Exception as e:  # a bug in scheduling or bookkeeping: fail everything rather than hang clients
             logger.exception("kvscale engine loop failed; failing every live request and refusing new ones")
             self._dead = f"{type(e).__name__}: {e}"
-            self._stats = dataclasses.replace(self._stats, is_healthy=False)  # before any caller hears of it
             self._fail_all(f"the engine failed: {self._dead}")
-            try:
-                self._stats = dataclasses.replace(self._engine.stats(), is_healthy=False)  # blocks freed
-            except Exception:
-                logger.exception("kvscale: no stats after the failure")
             while not self._stopped.is_set():  # answer what was queued meanwhile, so no caller hangs
                 try:
                     command = self._commands.get(timeout=0.5)
@@ -167,9 +162,12 @@ class AsyncLLM:
         self._fail_all("the engine shut down")
 
     def _fail_all(self, error: str) -> None:
+        """Free every request, publish the last snapshot (unhealthy if the loop died), then tell the callers."""
         try:
             self._engine.fail_requests(self._engine.request_ids, error)
+            self._stats = dataclasses.replace(self._engine.stats(), is_healthy=self._dead is None)
         except Exception:  # the bookkeeping itself may be what broke; the callers still get their error
             logger.exception("kvscale: could not free the requests' blocks after the failure")
+            self._stats = dataclasses.replace(self._stats, is_healthy=self._dead is None)
         for request_id in list(self._streams):
             self._deliver(request_id, RuntimeError(error))
