@@ -44,10 +44,12 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.block_manager import BlockManager  # noqa: E402
-from engine.kv_demand import projected_demand_blocks  # noqa: E402
+from engine.llm_engine import EngineStats  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
+from serve_app.autoscaling import autoscaling_metrics  # noqa: E402
+from serve_app.router import routing_stats  # noqa: E402
 
 TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-2023"
 CONTROL_PERIOD_S = 0.1  # Ray's controller loop
@@ -165,7 +167,6 @@ class SimReplica:
         self.draining = False
         self.busy_until: float | None = None  # a step is in flight until then
         self.requests: dict[str, Request] = {}
-        self.recent_output_lens: deque[int] = deque(maxlen=256)
         self.preemptions_reported = 0
         self.reports: deque[tuple[float, dict[str, float]]] = deque()
         self.routing_stats: dict[str, float] | None = None
@@ -185,10 +186,6 @@ class SimReplica:
         self.requests[seq.request_id] = req
         self.scheduler.add(seq)
 
-    def demand_blocks(self) -> int:
-        return projected_demand_blocks(self.scheduler.live_sequences(), self.recent_output_lens,
-                                       self.profile.block_size)
-
     def start_step(self, now: float) -> float | None:
         """Schedule one step; returns when it ends (None: nothing to run)."""
         batch = self.scheduler.schedule()
@@ -201,19 +198,14 @@ class SimReplica:
         return self.busy_until
 
     def finish_step(self, now: float) -> list[Request]:
+        """The engine's own update path (Scheduler.update_from_output) with a fake token for every sample;
+        sequences end at the trace's output length (their max_tokens)."""
         batch, done = self.batch, []
-        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
-            sample = batch.will_sample(i)
-            seq.num_computed_tokens += n
-            if not sample:
-                continue
-            seq.token_ids.append(1)
+        for seq in self.scheduler.update_from_output(batch, [1] * len(batch.sample_rows())):
             req = self.requests[seq.request_id]
             if req.first_token is None:
                 req.first_token = now
-            if seq.num_output_tokens >= req.output_len:
-                self.scheduler.finish(seq, "length")
-                self.recent_output_lens.append(seq.num_output_tokens)
+            if seq.is_finished:
                 req.finished = now
                 del self.requests[seq.request_id]
                 done.append(req)
@@ -221,25 +213,19 @@ class SimReplica:
         return done
 
     def report(self, now: float) -> None:
-        """What record_autoscaling_stats returns on a real replica (serve_app/server.py)."""
+        """What record_autoscaling_stats returns on a real replica (serve_app/server.py), through the same
+        function, plus the ongoing count Ray's default policy reads."""
         preempted = self.scheduler.num_preemptions_total - self.preemptions_reported
         self.preemptions_reported = self.scheduler.num_preemptions_total
-        self.reports.append((now, {
-            "kv_total_blocks": float(self.bm.num_total_blocks), "kv_free_blocks": float(self.bm.num_free_blocks),
-            "kv_used_blocks": float(self.bm.num_used_blocks), "kv_demand_blocks": float(self.demand_blocks()),
-            "num_waiting": float(self.scheduler.num_waiting),
-            "num_waiting_for_kv": float(self.scheduler.num_waiting_for_kv),
-            "preemptions": float(preempted), "num_requests": float(self.ongoing),
-            "ongoing": float(self.ongoing)}))
+        metrics = autoscaling_metrics(EngineStats.from_scheduler(self.scheduler), preempted)
+        self.reports.append((now, {**metrics, "ongoing": float(self.ongoing)}))
         while self.reports and self.reports[0][0] < now - LOOK_BACK_S:
             self.reports.popleft()
 
     def refresh_routing_stats(self, now: float) -> None:
-        """What record_routing_stats returns on a real replica."""
-        self.routing_stats = {"free_blocks": self.bm.num_free_blocks, "used_blocks": self.bm.num_used_blocks,
-                              "demand_blocks": self.demand_blocks(),
-                              "waiting": sum(1 for r in self.requests.values() if r.first_token is None),
-                              "max_waiting": 512, "reported_at": now}
+        """What record_routing_stats returns on a real replica, through the same function."""
+        waiting = sum(1 for r in self.requests.values() if r.first_token is None)
+        self.routing_stats = routing_stats(EngineStats.from_scheduler(self.scheduler), waiting, 512, (), now)
 
     def averaged(self, name: str) -> float:
         values = [m[name] for _, m in self.reports]

@@ -1,6 +1,7 @@
-"""EngineConfig: every knob of the engine in one validated, typed place.
+"""EngineConfig: every knob of the engine in one validated, typed place, documented here only.
 
-The HTTP-facing pydantic config (serve_app) converts into this in exactly one place.
+`LLM(**kwargs)` and `AsyncLLM(**kwargs)` take these fields; the serve config (serve_app/config.py) holds
+one of these as its `engine` field instead of declaring them again.
 """
 from __future__ import annotations
 
@@ -12,21 +13,21 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 @dataclass
 class EngineConfig:
-    model: str = "default"
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    model: str = "default"  # a local HF folder (config.json + safetensors + tokenizer), or "default" (SmolLM2-135M)
+    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"; auto: bf16 where the device has it
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: size the pool from the memory budget
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: min(model's max positions, KV pool tokens)
-    enable_prefix_caching: bool = True
-    seed: int = 0
+    block_size: int = 16  # tokens per KV block
+    num_kv_blocks: int | None = None  # KV pool size in blocks; None: size the pool from the memory budget
+    max_num_seqs: int = 256  # most sequences running in one step
+    max_num_batched_tokens: int = 2048  # token budget of one step (prefills are chunked by it)
+    max_model_len: int | None = None  # longest prompt + output; None: min(model's max positions, KV pool tokens)
+    enable_prefix_caching: bool = True  # reuse KV blocks of shared prompt prefixes
+    seed: int = 0  # seed of the sampler for unseeded requests
     kv_cache_bytes: int | None = None  # CPU budget for the KV pool; None: DEFAULT_CPU_KV_CACHE_BYTES
-    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION
+    gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # CUDA: fraction of the device's memory
     attention_backend: str = "auto"  # "auto" | "torch" | "triton"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs (CPU steps are always eager)
-    show_progress: bool = True
+    show_progress: bool = True  # progress bar while loading weights
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):

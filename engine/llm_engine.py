@@ -38,16 +38,31 @@ class EngineStats:
     num_waiting: int
     num_waiting_for_kv: int  # of num_waiting, those the last step could not admit for lack of blocks
     num_preemptions_total: int
-    num_prompt_tokens_total: int
     num_generation_tokens_total: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     kv_demand_blocks: int  # blocks the live sequences will hold at their end (engine.kv_demand)
-    num_steps_total: int
-    step_seconds_total: float  # time spent in steps (schedule, forward, sample, update)
-    last_step_seconds: float
-    last_step_num_tokens: int
+    # the engine's own counts (zero in the autoscaling simulator, which runs a scheduler without an engine)
+    num_prompt_tokens_total: int = 0
+    num_steps_total: int = 0
+    step_seconds_total: float = 0.0  # time spent in steps (schedule, forward, sample, update)
+    last_step_seconds: float = 0.0
+    last_step_num_tokens: int = 0
     is_healthy: bool = True
+
+    @classmethod
+    def from_scheduler(cls, sch: Scheduler, **engine_counts: float) -> EngineStats:
+        """The counts the scheduler and its block manager hold, plus the engine's own where given."""
+        bm = sch.block_manager
+        return cls(
+            num_total_blocks=bm.num_total_blocks, num_free_blocks=bm.num_free_blocks,
+            num_cached_free_blocks=bm.num_cached_free_blocks, num_used_blocks=bm.num_used_blocks,
+            block_size=bm.block_size, num_running=sch.num_running, num_waiting=sch.num_waiting,
+            num_waiting_for_kv=sch.num_waiting_for_kv, num_preemptions_total=sch.num_preemptions_total,
+            num_generation_tokens_total=sch.num_generation_tokens_total,
+            prefix_cache_queried_tokens=bm.num_prefix_queried_tokens, prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
+            kv_demand_blocks=sch.projected_demand_blocks(), **engine_counts,
+        )
 
 
 class LLMEngine:
@@ -218,20 +233,10 @@ class LLMEngine:
     # ---- introspection ----
     def stats(self) -> EngineStats:
         """A snapshot; take it on the thread that drives the engine (AsyncLLM publishes one per step)."""
-        bm, sch = self.block_manager, self.scheduler
-        return EngineStats(
-            num_total_blocks=bm.num_total_blocks, num_free_blocks=bm.num_free_blocks,
-            num_cached_free_blocks=bm.num_cached_free_blocks, num_used_blocks=bm.num_used_blocks,
-            block_size=bm.block_size, num_running=sch.num_running, num_waiting=sch.num_waiting,
-            num_waiting_for_kv=sch.num_waiting_for_kv,
-            num_preemptions_total=sch.num_preemptions_total,
-            num_prompt_tokens_total=self.num_prompt_tokens_total,
-            num_generation_tokens_total=sch.num_generation_tokens_total,
-            prefix_cache_queried_tokens=bm.num_prefix_queried_tokens, prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
-            kv_demand_blocks=sch.projected_demand_blocks(), num_steps_total=self.num_steps_total,
-            step_seconds_total=self.step_seconds_total, last_step_seconds=self.last_step_seconds,
-            last_step_num_tokens=self.last_step_num_tokens,
-        )
+        return EngineStats.from_scheduler(
+            self.scheduler, num_prompt_tokens_total=self.num_prompt_tokens_total,
+            num_steps_total=self.num_steps_total, step_seconds_total=self.step_seconds_total,
+            last_step_seconds=self.last_step_seconds, last_step_num_tokens=self.last_step_num_tokens)
 
     def live_sequences(self) -> Iterable[Sequence]:
         return self.scheduler.live_sequences()

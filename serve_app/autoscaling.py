@@ -19,6 +19,15 @@ logger = logging.getLogger("ray.serve")
 POLICY = "serve_app.autoscaling:KVAutoscalingPolicy"
 
 
+def autoscaling_metrics(stats: Any, num_preempted: int) -> dict[str, float]:
+    """What a replica reports to the policy (record_autoscaling_stats), from an engine.llm_engine.EngineStats
+    snapshot; the simulator (bench/autoscale_sim.py) reports through this same function."""
+    return {"kv_total_blocks": float(stats.num_total_blocks), "kv_free_blocks": float(stats.num_free_blocks),
+            "kv_used_blocks": float(stats.num_used_blocks), "kv_demand_blocks": float(stats.kv_demand_blocks),
+            "num_waiting": float(stats.num_waiting), "num_waiting_for_kv": float(stats.num_waiting_for_kv),
+            "num_requests": float(stats.num_running + stats.num_waiting), "preemptions": float(num_preempted)}
+
+
 def kv_autoscaling_policy(ctx: Any, target_utilization: float = 0.75, downscale_quiet_s: float = 30.0,
                           pressure_settle_s: float = 10.0) -> tuple[int, dict[str, Any]]:
     state = dict(ctx.policy_state or {})

@@ -1,36 +1,33 @@
 """ServeConfig: every setting of the app, engine and deployments, one documented pydantic model.
 
 `serve run serve_app/config.yaml` passes its `args:` here; `serve run serve_app:app` uses the defaults.
-`to_engine_config()` is the one place it becomes the engine's EngineConfig.
+The engine's settings are not declared here again: `engine` is the engine's own EngineConfig (validated by
+its __post_init__), and its fields may be written flat in the YAML. `to_engine_config()` is the one place
+the engine's config is handed over.
 """
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
 
 
+ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
+
+
 class ServeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     # ---- engine ----
-    model: str = Field("default", description="Local HF folder (config.json + safetensors + tokenizer), or "
-                                              "'default' for the bundled SmolLM2-135M-Instruct.")
+    engine: EngineConfig = Field(default_factory=EngineConfig, description=(
+        "The engine's settings: every field of engine/config.py:EngineConfig (model, dtype, device, block_size, "
+        "num_kv_blocks, kv_cache_bytes, max_num_seqs, max_num_batched_tokens, max_model_len, ...), documented "
+        "there. They may also be given flat, beside the fields below, as serve_app/config.yaml does."))
     served_model_name: str | None = Field(None, description="Name clients send as `model`; default: the folder "
                                                             "name, or SmolLM2-135M-Instruct for the default.")
-    dtype: str = Field("auto", description="auto | float32 | bfloat16 | float16.")
-    device: str = Field("auto", description="auto | cpu | cuda | cuda:N.")
-    block_size: int = Field(16, description="Tokens per KV block.")
-    num_kv_blocks: int | None = Field(None, description="KV pool size in blocks per replica; None: from memory.")
-    kv_cache_bytes: int | None = Field(None, description="CPU only: bytes for the KV pool (default 1 GiB).")
-    gpu_memory_utilization: float = Field(0.9, description="CUDA only: fraction of free memory to use.")
-    max_num_seqs: int = Field(256, description="Most sequences running in one step.")
-    max_num_batched_tokens: int = Field(2048, description="Token budget of one step (chunked prefill).")
-    max_model_len: int | None = Field(None, description="Longest prompt + output; None: model and pool limit.")
-    enforce_eager: bool = Field(False, description="CUDA: run decode steps eagerly instead of replaying CUDA "
-                                                   "graphs (CPU steps are always eager).")
-    enable_prefix_caching: bool = Field(True, description="Reuse KV blocks of shared prompt prefixes.")
-    seed: int = Field(0, description="Seed of the engine's sampler for unseeded requests.")
     torch_threads: int | None = Field(None, description="CPU threads for torch in each replica; None: torch default.")
 
     # ---- API ----
@@ -58,29 +55,42 @@ class ServeConfig(BaseModel):
                                                                   "its in-flight streams.")
     max_ongoing_requests: int = Field(1024, description="Ray Serve's per-replica cap on in-flight requests.")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nest_engine_fields(cls, data: Any) -> Any:
+        """Engine fields given flat (`model: default` beside `num_replicas: 1`) go into `engine`."""
+        if not isinstance(data, dict):
+            return data
+        engine = data.get("engine") or {}
+        engine = dataclasses.asdict(engine) if isinstance(engine, EngineConfig) else dict(engine)
+        unknown = sorted(engine.keys() - ENGINE_FIELDS)
+        if unknown:
+            raise ValueError(f"engine: unknown field(s) {', '.join(unknown)}; the engine's fields are those of "
+                             "engine/config.py:EngineConfig")
+        if not ENGINE_FIELDS & data.keys():
+            return data
+        both = sorted(ENGINE_FIELDS & data.keys() & engine.keys())
+        if both:
+            raise ValueError(f"{', '.join(both)} given both flat and under `engine`; give each once")
+        rest = {k: v for k, v in data.items() if k not in ENGINE_FIELDS}
+        return {**rest, "engine": {**engine, **{k: data[k] for k in ENGINE_FIELDS & data.keys()}}}
+
     @model_validator(mode="after")
     def _check(self) -> ServeConfig:
-        self.to_engine_config()  # raises ValueError naming the bad field
         if self.min_replicas < 0 or self.max_replicas < max(1, self.min_replicas):
             raise ValueError("need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
         return self
 
     def to_engine_config(self) -> EngineConfig:
-        return EngineConfig(
-            model=self.model, dtype=self.dtype, device=self.device, block_size=self.block_size,
-            num_kv_blocks=self.num_kv_blocks, kv_cache_bytes=self.kv_cache_bytes,
-            gpu_memory_utilization=self.gpu_memory_utilization, max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
-            enable_prefix_caching=self.enable_prefix_caching, seed=self.seed, show_progress=False,
-            enforce_eager=self.enforce_eager,
-        )
+        return dataclasses.replace(self.engine, show_progress=False)  # no progress bars in replica logs
 
     @property
     def model_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        if self.model in ("", "default"):
+        model = self.engine.model
+        if model in ("", "default"):
             from engine.default_model import DEFAULT_MODEL_NAME
 
             return DEFAULT_MODEL_NAME
-        return self.model.rstrip("/").split("/")[-1]
+        return model.rstrip("/").split("/")[-1]

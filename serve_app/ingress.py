@@ -15,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import ray
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
@@ -23,6 +24,7 @@ from pydantic import ValidationError
 from ray.serve.exceptions import BackPressureError
 
 from serve_app.config import ServeConfig
+from serve_app.messages import ChoiceDelta, ErrorMessage, GenerateRequest, OutputDelta, TokenLogprob
 from serve_app.metrics import get_board, render, replica_identity
 from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse
 
@@ -103,7 +105,7 @@ class OpenAIIngress:
         self.engine = engine_handle
         self.config = ServeConfig(**config)
         self.model_name = self.config.model_name
-        self._board = None
+        self._board = get_board(replica_identity()[1])  # created here, so the app owns it
 
     # ---- checks ----
     def _authorize(self, request: Request) -> None:
@@ -153,9 +155,11 @@ class OpenAIIngress:
 
     @fastapi_app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        if self._board is None:
+        try:
+            snapshots = await self._board.get_all.remote()
+        except ray.exceptions.RayActorError:  # its owner went away; the replicas report to a new one
             self._board = get_board(replica_identity()[1])
-        snapshots = await self._board.get_all.remote()
+            snapshots = await self._board.get_all.remote()
         return PlainTextResponse(render(snapshots), media_type="text/plain; version=0.0.4")
 
     @fastapi_app.get("/v1/models", responses=_AUTH_ERRORS)
@@ -173,9 +177,8 @@ class OpenAIIngress:
         prompts = _prompt_list(req.prompt, self.config.max_prompts_per_request)
         sampling = {**req.sampling_kwargs(), "logprobs": req.logprobs}
         rid = f"cmpl-{uuid.uuid4().hex}"
-        payloads = [{"request_id": f"{rid}-{i}", "kind": "completion", "prompt": p, "sampling": sampling}
-                    for i, p in enumerate(prompts)]
-        return await self._serve(rid, "completion", req, payloads)
+        requests = [GenerateRequest(f"{rid}-{i}", "completion", sampling, prompt=p) for i, p in enumerate(prompts)]
+        return await self._serve(rid, "completion", req, requests)
 
     @fastapi_app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest),
                       responses=_ERRORS)
@@ -188,13 +191,13 @@ class OpenAIIngress:
         sampling["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
         messages = [_flatten_message(m.model_dump(exclude_none=True)) for m in req.messages]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        payloads = [{"request_id": rid, "kind": "chat", "messages": messages, "sampling": sampling,
-                     "add_generation_prompt": req.add_generation_prompt}]
-        return await self._serve(rid, "chat", req, payloads)
+        requests = [GenerateRequest(rid, "chat", sampling, messages=messages,
+                                    add_generation_prompt=req.add_generation_prompt)]
+        return await self._serve(rid, "chat", req, requests)
 
     # ---- streaming core ----
-    async def _serve(self, rid: str, kind: str, req, payloads: list[dict[str, Any]]):
-        streams = [self.engine.options(stream=True).generate.remote(p) for p in payloads]
+    async def _serve(self, rid: str, kind: str, req, requests: list[GenerateRequest]):
+        streams = [self.engine.options(stream=True).generate.remote(r) for r in requests]
         try:
             firsts = await asyncio.gather(*(s.__anext__() for s in streams))
         except StopAsyncIteration:
@@ -209,25 +212,25 @@ class OpenAIIngress:
             raise APIError(503, f"no engine replica could take the request: {type(e).__name__}",
                            code="engine_unavailable", retry_after=1) from None
         for item in firsts:
-            if item["type"] == "error":
+            if isinstance(item, ErrorMessage):
                 _cancel(streams)
-                raise APIError.from_dict(item)
+                raise item.to_error()
         n = req.n
         created = int(time.time())
         merged = _merge(streams, firsts)
         if req.stream:
-            return StreamingResponse(self._sse_stream(rid, kind, req, merged, n, created, len(payloads)),
+            return StreamingResponse(self._sse_stream(rid, kind, req, merged, n, created, len(requests)),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._collect(rid, kind, req, merged, n, created, len(payloads))
+        return await self._collect(rid, kind, req, merged, n, created, len(requests))
 
-    def _choice_chunk(self, kind: str, index: int, c: dict, first: bool) -> dict[str, Any]:
-        lp = _format_logprobs(kind, c["logprobs"]) if c["logprobs"] is not None else None
+    def _choice_chunk(self, kind: str, index: int, c: ChoiceDelta, first: bool) -> dict[str, Any]:
+        lp = _format_logprobs(kind, c.logprobs) if c.logprobs is not None else None
         if kind == "completion":
-            return {"index": index, "text": c["text"], "logprobs": lp, "finish_reason": c["finish_reason"]}
-        delta: dict[str, Any] = {"content": c["text"]}
+            return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+        delta: dict[str, Any] = {"content": c.text}
         if first:
             delta["role"] = "assistant"
-        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c["finish_reason"]}
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
 
     async def _sse_stream(self, rid, kind, req, merged, n, created, num_prompts) -> AsyncIterator[bytes]:
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
@@ -236,14 +239,14 @@ class OpenAIIngress:
         started: set[int] = set()
         try:
             async for p_idx, item in merged:
-                if item["type"] == "error":
-                    yield _sse(APIError.from_dict(item).body())
+                if isinstance(item, ErrorMessage):
+                    yield _sse(item.to_error().body())
                     break
-                prompt_tokens[p_idx] = item["prompt_tokens"]
+                prompt_tokens[p_idx] = item.prompt_tokens
                 choices = []
-                for c in item["choices"]:
-                    index = p_idx * n + c["index"]
-                    completion_tokens[index] = c["num_tokens"]
+                for c in item.choices:
+                    index = p_idx * n + c.index
+                    completion_tokens[index] = c.num_output_tokens
                     choices.append(self._choice_chunk(kind, index, c, index not in started))
                     started.add(index)
                 if choices:
@@ -269,16 +272,16 @@ class OpenAIIngress:
         completion_tokens: dict[int, int] = {}
         try:
             async for p_idx, item in merged:
-                if item["type"] == "error":
-                    raise APIError.from_dict(item)
-                prompt_tokens[p_idx] = item["prompt_tokens"]
-                for c in item["choices"]:
-                    index = p_idx * n + c["index"]
-                    texts.setdefault(index, []).append(c["text"])
-                    finish[index] = c["finish_reason"]
-                    completion_tokens[index] = c["num_tokens"]
-                    if c["logprobs"] is not None:
-                        lps.setdefault(index, []).extend(c["logprobs"])
+                if isinstance(item, ErrorMessage):
+                    raise item.to_error()
+                prompt_tokens[p_idx] = item.prompt_tokens
+                for c in item.choices:
+                    index = p_idx * n + c.index
+                    texts.setdefault(index, []).append(c.text)
+                    finish[index] = c.finish_reason or finish.get(index)
+                    completion_tokens[index] = c.num_output_tokens
+                    if c.logprobs is not None:
+                        lps.setdefault(index, []).extend(c.logprobs)
         except APIError:
             raise
         except Exception as e:
@@ -331,18 +334,18 @@ def _usage(prompt_tokens: dict[int, int], completion_tokens: dict[int, int]) -> 
     return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
 
-def _format_logprobs(kind: str, entries: list[dict[str, Any]]) -> dict[str, Any]:
+def _format_logprobs(kind: str, entries: list[TokenLogprob]) -> dict[str, Any]:
     if kind == "completion":
-        tokens = [e["token"] for e in entries]
+        tokens = [e.token for e in entries]
         offsets, pos = [], 0
         for t in tokens:
             offsets.append(pos)
             pos += len(t or "")
-        return {"tokens": tokens, "token_logprobs": [e["logprob"] for e in entries],
-                "top_logprobs": [{t: lp for t, lp in e["top"]} for e in entries], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{t: lp for t, lp in e.top} for e in entries], "text_offset": offsets}
     return {"content": [{
-        "token": e["token"], "logprob": e["logprob"], "bytes": list((e["token"] or "").encode()),
-        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list((t or "").encode())} for t, lp in e["top"]],
+        "token": e.token, "logprob": e.logprob, "bytes": list((e.token or "").encode()),
+        "top_logprobs": [{"token": t, "logprob": lp, "bytes": list((t or "").encode())} for t, lp in e.top],
     } for e in entries]}
 
 
@@ -354,12 +357,12 @@ def _cancel(streams) -> None:
             pass
 
 
-async def _merge(streams, firsts) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+async def _merge(streams, firsts: list[OutputDelta]) -> AsyncIterator[tuple[int, OutputDelta | ErrorMessage]]:
     """Items of several handle streams as they come, tagged with the stream's index; cancels all on exit."""
     if len(streams) == 1:
         try:
             yield 0, firsts[0]
-            if not firsts[0].get("finished"):
+            if not firsts[0].finished:
                 async for item in streams[0]:
                     yield 0, item
         finally:
@@ -371,7 +374,7 @@ async def _merge(streams, firsts) -> AsyncIterator[tuple[int, dict[str, Any]]]:
     async def pump(i: int) -> None:
         try:
             await queue.put((i, firsts[i]))
-            if not firsts[i].get("finished"):
+            if not firsts[i].finished:
                 async for item in streams[i]:
                     await queue.put((i, item))
         except Exception as e:

@@ -1,7 +1,7 @@
 """Per-replica metrics with vLLM's meanings under `kvscale:` names, served as Prometheus text by /metrics.
 
 Each engine replica keeps its own counters and latency histograms and pushes a snapshot every
-REPORT_INTERVAL_S to one small named Ray actor (the board); the ingress renders all live snapshots with a
+REPORT_INTERVAL_S to one small named Ray actor (the board, removed with the app); the ingress renders all live snapshots with a
 `replica` label. A replica that stops reporting drops out after STALE_AFTER_S.
 """
 from __future__ import annotations
@@ -84,7 +84,10 @@ def replica_identity() -> tuple[str, str]:
 
 
 def get_board(app_name: str):
-    return StatsBoard.options(name=f"stats-board-{app_name}", namespace=BOARD_NAMESPACE, lifetime="detached",
+    """The app's board, created by the first caller (the ingress, at start) and owned by it: not detached, so
+    it goes when the app's actors go. Should its owner go first, the next caller creates it again (replicas
+    re-report every REPORT_INTERVAL_S)."""
+    return StatsBoard.options(name=f"stats-board-{app_name}", namespace=BOARD_NAMESPACE,
                               get_if_exists=True).remote()
 
 

@@ -24,14 +24,6 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "invalid_request_error"),
                           "param": self.param, "code": self.code}}
 
-    def to_dict(self) -> dict[str, Any]:  # crosses the handle boundary as plain data
-        return {"status": self.status, "message": self.message, "param": self.param, "code": self.code,
-                "retry_after": self.retry_after}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> APIError:
-        return cls(d["status"], d["message"], d.get("param"), d.get("code"), d.get("retry_after"))
-
 
 class ErrorInfo(BaseModel):
     message: str

@@ -24,17 +24,28 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
+from serve_app.messages import GenerateRequest
+
 DEFAULT_MAX_TOKENS_GUESS = 256  # a request without max_tokens is assumed to want this many
 CHARS_PER_TOKEN = 4  # the router does not tokenize; a text prompt is estimated at this rate
 FINGERPRINT_CHARS = 256
 
 
-def prefix_fingerprint(payload: dict[str, Any]) -> str | None:
+def routing_stats(stats: Any, waiting: int, max_waiting: int, prefixes: Sequence[str],
+                  reported_at: float) -> dict[str, Any]:
+    """What a replica reports to the router (record_routing_stats), from an engine.llm_engine.EngineStats
+    snapshot; the simulator (bench/autoscale_sim.py) reports through this same function."""
+    return {"free_blocks": stats.num_free_blocks, "used_blocks": stats.num_used_blocks,
+            "demand_blocks": stats.kv_demand_blocks, "waiting": waiting, "max_waiting": max_waiting,
+            "block_size": stats.block_size, "prefixes": list(prefixes), "reported_at": reported_at}
+
+
+def prefix_fingerprint(req: GenerateRequest) -> str | None:
     """A stable key for the start of a request's prompt (the part that becomes its first cached blocks)."""
-    if payload.get("kind") == "chat":
-        head = json.dumps(payload.get("messages", [])[:2], sort_keys=True)[:FINGERPRINT_CHARS]
+    if req.kind == "chat":
+        head = json.dumps((req.messages or [])[:2], sort_keys=True)[:FINGERPRINT_CHARS]
     else:
-        prompt = payload.get("prompt")
+        prompt = req.prompt
         if isinstance(prompt, str):
             head = prompt[:FINGERPRINT_CHARS]
         elif isinstance(prompt, list):
@@ -46,16 +57,16 @@ def prefix_fingerprint(payload: dict[str, Any]) -> str | None:
     return hashlib.blake2b(head.encode(), digest_size=8).hexdigest()
 
 
-def estimate_blocks(payload: dict[str, Any], block_size: int) -> int:
-    """Blocks one request will hold at its end, from its payload alone."""
-    prompt = payload.get("prompt")
+def estimate_blocks(req: GenerateRequest, block_size: int) -> int:
+    """Blocks one request will hold at its end, from the request alone."""
+    prompt = req.prompt
     if isinstance(prompt, list):
         prompt_tokens = len(prompt)
     elif isinstance(prompt, str):
         prompt_tokens = len(prompt) // CHARS_PER_TOKEN + 1
     else:
-        prompt_tokens = len(json.dumps(payload.get("messages", []))) // CHARS_PER_TOKEN + 1
-    sampling = payload.get("sampling", {})
+        prompt_tokens = len(json.dumps(req.messages or [])) // CHARS_PER_TOKEN + 1
+    sampling = req.sampling
     out = sampling.get("max_tokens") or DEFAULT_MAX_TOKENS_GUESS
     n = sampling.get("n", 1) or 1
     return -(-(prompt_tokens + out * n) // block_size)
@@ -181,11 +192,12 @@ class KVAwareRouter(FIFOMixin, RequestRouter):
             self.initialize_state()
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # every replica was a candidate: back off
-        payload = pending_request.args[0] if pending_request and pending_request.args else {}
-        payload = payload if isinstance(payload, dict) else {}
+        req = pending_request.args[0] if pending_request and pending_request.args else None
+        if not isinstance(req, GenerateRequest):  # not a generate call (none other is routed here today)
+            req = GenerateRequest("", "completion", {}, prompt="")
         block_size = int(next((r.routing_stats.get("block_size", 16) for r in candidate_replicas
                                if r.routing_stats), 16))
         by_id = {r.replica_id: r for r in candidate_replicas}
         ranks = self._routing.choose([(r.replica_id, r.routing_stats) for r in candidate_replicas],
-                                     estimate_blocks(payload, block_size), prefix_fingerprint(payload))
+                                     estimate_blocks(req, block_size), prefix_fingerprint(req))
         return [[by_id[key] for key in rank] for rank in ranks]

@@ -161,3 +161,25 @@ def test_serve_config_rejects_bad_fields_with_names():
         ServeConfig(block_size=7)
     with pytest.raises(ValidationError, match="no_such_field"):
         ServeConfig(no_such_field=1)
+    with pytest.raises(ValidationError, match="no_such_field"):
+        ServeConfig(engine={"no_such_field": 1})
+    with pytest.raises(ValidationError, match="max_num_seqs given both"):
+        ServeConfig(max_num_seqs=4, engine={"max_num_seqs": 8})
+
+
+def test_serve_config_is_derived_from_the_engine_config():
+    """One source: every engine field is accepted flat (as in serve_app/config.yaml) or nested, with the
+    engine's own defaults, and reaches the engine unchanged; none is declared a second time."""
+    import dataclasses
+
+    from engine.config import EngineConfig
+    from serve_app.config import ServeConfig
+
+    flat = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    assert not set(flat) & set(ServeConfig.model_fields)  # not re-declared
+    assert ServeConfig().to_engine_config() == dataclasses.replace(EngineConfig(), show_progress=False)
+    changed = {"model": "/models/x", "block_size": 32, "max_num_seqs": 7, "attention_backend": "triton",
+               "kv_cache_bytes": 12345, "enforce_eager": True}
+    for config in (ServeConfig(**changed), ServeConfig(engine=changed)):
+        assert config.to_engine_config() == EngineConfig(**changed, show_progress=False)
+        assert ServeConfig(**config.model_dump()) == config  # what the app hands its replicas round-trips

@@ -102,7 +102,7 @@ def test_serve_configs_pass_ray_serve_schema_and_build(name):
     config = ServeConfig(**app.args)  # our own schema: unknown or bad fields are errors
     options = engine_deployment_options(config)
     if config.engine_num_gpus:
-        assert config.device.startswith("cuda") and options["ray_actor_options"]["num_gpus"] == 1
+        assert config.engine.device.startswith("cuda") and options["ray_actor_options"]["num_gpus"] == 1
     if config.num_replicas is None:
         policy = options["autoscaling_config"]["policy"]
         assert policy["policy_function"] == "serve_app.autoscaling:KVAutoscalingPolicy"

@@ -37,14 +37,22 @@ def test_prefers_replica_caching_the_prefix_when_it_fits():
     assert rank_replicas(views, 40, "fp", random.Random(0))[0] == ["a"]
 
 
-def test_payload_estimates():
+def test_request_estimates():
+    from dataclasses import replace
+
+    from serve_app.messages import GenerateRequest
+
     long_prompt = "word " * 200
-    p = {"kind": "completion", "prompt": long_prompt, "sampling": {"max_tokens": 100}}
+    p = GenerateRequest("r", "completion", {"max_tokens": 100}, prompt=long_prompt)
     assert estimate_blocks(p, 16) == -(-(len(long_prompt) // 4 + 1 + 100) // 16)
-    assert estimate_blocks({"prompt": [1] * 30, "sampling": {"max_tokens": 2, "n": 3}}, 16) == 3
-    assert prefix_fingerprint(p) == prefix_fingerprint({**p, "prompt": long_prompt + "different tail"})
-    assert prefix_fingerprint({"prompt": "hi"}) is None
-    assert prefix_fingerprint(p) != prefix_fingerprint({**p, "prompt": "other " * 200})
+    assert estimate_blocks(GenerateRequest("r", "completion", {"max_tokens": 2, "n": 3}, prompt=[1] * 30), 16) == 3
+    assert prefix_fingerprint(p) == prefix_fingerprint(replace(p, prompt=long_prompt + "different tail"))
+    assert prefix_fingerprint(replace(p, prompt="hi")) is None
+    assert prefix_fingerprint(p) != prefix_fingerprint(replace(p, prompt="other " * 200))
+    chat = GenerateRequest("c", "chat", {}, messages=[{"role": "system", "content": "be brief " * 40},
+                                                      {"role": "user", "content": "hi"}])
+    later_turn = replace(chat, messages=[*chat.messages, {"role": "assistant", "content": "hello"}])
+    assert prefix_fingerprint(chat) == prefix_fingerprint(later_turn)  # same conversation head, same key
 
 
 def test_no_queueing_behind_a_full_replica():

@@ -258,3 +258,34 @@ def test_disconnect_frees_blocks_within_a_second(server):
     asyncio.run(main())
     assert max(_metric(server, "num_requests_running") or [0]) <= 1
     _wait_all_free(server, timeout=1.5)  # one metrics report interval (0.5 s) plus margin
+
+
+def test_the_stats_board_goes_with_its_app(server, make_tiny_model):
+    """Metrics state is the app's own: deleting the app removes its stats actor (it used to be detached
+    and outlive every app that ever ran on the cluster)."""
+    import ray
+    from ray import serve
+
+    from serve_app import build_app
+    from serve_app.metrics import BOARD_NAMESPACE
+
+    serve.run(build_app({"model": make_tiny_model("llama"), "served_model_name": "brief", "dtype": "float32",
+                         "num_kv_blocks": 16, "max_model_len": 128, "torch_threads": 1}),
+              name="brief", route_prefix="/brief", blocking=False)
+    wait_until_serving([f"{server}/brief/health"], 300, "the brief app")
+    deadline = time.time() + 30
+    while not _metric(server, "num_total_blocks", "/brief") and time.time() < deadline:
+        time.sleep(0.5)
+    assert _metric(server, "num_total_blocks", "/brief") == [16.0]
+    assert ray.get_actor("stats-board-brief", namespace=BOARD_NAMESPACE)
+    serve.delete("brief")
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            ray.get_actor("stats-board-brief", namespace=BOARD_NAMESPACE)
+        except ValueError:
+            break
+        time.sleep(0.5)
+    else:
+        pytest.fail("the stats board outlived its app")
+    assert ray.get_actor("stats-board-main", namespace=BOARD_NAMESPACE)  # the other apps keep theirs
