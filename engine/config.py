@@ -25,7 +25,7 @@ class EngineConfig:
     seed: int = 0  # seed of the sampler for unseeded requests
     kv_cache_bytes: int | None = None  # CPU budget for the KV pool; None: DEFAULT_CPU_KV_CACHE_BYTES
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # CUDA: fraction of the device's memory
-    attention_backend: str = "auto"  # "auto" | "torch" | "triton"
+    attention_backend: str = "auto"  # "auto" | "reference" (plain torch) | "cpu" (C kernels + oneDNN + SDPA) | "triton"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs (CPU steps are always eager)
     show_progress: bool = True  # progress bar while loading weights
 
@@ -48,5 +48,7 @@ class EngineConfig:
             raise ValueError(f"kv_cache_bytes must be positive or None; got {self.kv_cache_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1]; got {self.gpu_memory_utilization}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton; got {self.attention_backend!r}")
+        if self.attention_backend not in ("auto", "reference", "cpu", "triton"):
+            raise ValueError(f"attention_backend must be auto, reference, cpu or triton; got "
+                             f"{self.attention_backend!r}" + (" ('torch' is now 'cpu', or 'reference' for plain "
+                                                              "torch)" if self.attention_backend == "torch" else ""))

@@ -52,7 +52,7 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.ops = select_ops(config.attention_backend, self.device.type)
+        self.ops = select_ops(config.attention_backend, self.device.type, self.dtype)
         self.block_size = config.block_size
 
         model_cls = get_model_class(hf_config.architectures[0])
@@ -76,6 +76,7 @@ class ModelRunner:
         self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
         self.attention_scratch: dict = {}  # reused gather buffers of the CPU attention (AttentionMetadata.scratch)
         self.graphs = None  # DecodeGraphs once capture_decode_graphs has run (CUDA + Triton, not enforce_eager)
+        logger.info("ops: %s backend: %s", self.ops.name, self.ops.description)
         logger.info("model on %s in %s; KV pool %d blocks x %d tokens (%.1f MiB)", self.device, self.dtype,
                     self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 

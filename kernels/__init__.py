@@ -1,4 +1,5 @@
-"""Attention and fused ops behind one interface; `select_ops` is the one place a backend is chosen.
+"""Attention and fused ops behind one interface; `select_ops` is the one place a backend is chosen, once, for
+the device and dtype: "reference" (plain torch), "cpu" (C kernels + oneDNN + SDPA) or "triton".
 
 Every op has a plain torch reference (`*_ref`) with the signature its Triton kernel keeps. The CPU path
 (`*_cpu`) runs our C kernels in fp32 where they build (kernels/cpu_native.py: small-batch GEMV, RMSNorm,
@@ -11,7 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from kernels.activation import silu_mul_cpu, silu_mul_ref
+from kernels.cpu_native import native
 from kernels.kv_cache import write_kv_cpu, write_kv_ref
 from kernels.linear import linear_cpu, linear_ref
 from kernels.metadata import AttentionMetadata
@@ -19,38 +23,67 @@ from kernels.norm import rms_norm_cpu, rms_norm_ref
 from kernels.paged_attention import paged_attention_ref, paged_attention_sdpa
 from kernels.rotary import rotary_cpu, rotary_ref
 
-__all__ = ["AttentionMetadata", "Ops", "select_ops"]
+__all__ = ["AttentionMetadata", "BACKENDS", "Ops", "select_ops"]
+
+
+BACKENDS = ("auto", "reference", "cpu", "triton")
 
 
 @dataclass(frozen=True)
 class Ops:
-    name: str
+    """One backend's ops, bound once at start-up for a device and dtype (select_ops); layers call these and
+    nothing re-decides which kernel runs."""
+
+    name: str  # "reference" | "cpu" | "triton": the backend
     write_kv: Callable
     paged_attention: Callable
     rms_norm: Callable
     rotary: Callable
     linear: Callable
     silu_mul: Callable
+    description: str = ""  # what runs, in words, for the start-up log
 
 
-# The CPU path. Attention is the reference's semantics through torch's fused SDPA (paged_attention_sdpa,
-# checked against paged_attention_ref); REFERENCE_OPS is the plain form every other path is checked against.
-TORCH_OPS = Ops("torch", write_kv_cpu, paged_attention_sdpa, rms_norm_cpu, rotary_cpu, linear_cpu, silu_mul_cpu)
+# The plain torch form every other path is checked against.
 REFERENCE_OPS = Ops("reference", write_kv_ref, paged_attention_ref, rms_norm_ref, rotary_ref, linear_ref,
-                    silu_mul_ref)
+                    silu_mul_ref, "plain torch reference ops")
 
 
-def select_ops(backend: str, device_type: str) -> Ops:
-    """backend: "auto" | "torch" | "triton". auto = torch references on CPU, Triton on CUDA when available."""
-    if backend == "torch" or (backend == "auto" and device_type != "cuda"):
-        return TORCH_OPS
+def cpu_ops(dtype: torch.dtype) -> Ops:
+    """The CPU path for this dtype, decided once: in fp32 where our C kernels build, they run (GEMV for few
+    rows, norm, rotary, KV write, SwiGLU, paged decode attention); linear layers otherwise go to oneDNN and
+    attention to torch's fused SDPA; in other dtypes (bf16) or without the C kernels the elementwise ops are
+    the references, bound directly."""
+    if dtype == torch.float32 and native() is not None:
+        return Ops("cpu", write_kv_cpu, paged_attention_sdpa, rms_norm_cpu, rotary_cpu, linear_cpu, silu_mul_cpu,
+                   "our C kernels (fp32 GEMV <= 5 rows, RMSNorm, rotary, KV write, SwiGLU, paged decode attention), "
+                   "oneDNN linear, SDPA prefill attention")
+    why = "no C kernels on this machine" if dtype == torch.float32 else f"no C kernels for {dtype}"
+    return Ops("cpu", write_kv_ref, paged_attention_sdpa, rms_norm_ref, rotary_ref, linear_cpu, silu_mul_ref,
+               f"oneDNN linear, SDPA attention, torch reference elementwise ops ({why})")
+
+
+def select_ops(backend: str, device_type: str, dtype: torch.dtype = torch.float32) -> Ops:
+    """The one place a backend is chosen. backend: "auto" (Triton on CUDA where it loads, else the CPU path on
+    CPU and the references on CUDA) | "reference" | "cpu" (host memory only) | "triton"."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {backend!r}"
+                         + (" ('torch' is now 'cpu': C kernels + oneDNN + SDPA; or 'reference': plain torch)"
+                            if backend == "torch" else ""))
+    if backend == "reference":
+        return REFERENCE_OPS
+    if backend == "cpu" or (backend == "auto" and device_type != "cuda"):
+        if device_type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on host memory, not on {device_type}; use 'triton' "
+                             "or 'reference' there")
+        return cpu_ops(dtype)
     try:
         from kernels.triton_ops import TRITON_OPS  # noqa: PLC0415 - triton is optional
     except ImportError as e:
         if backend == "triton":
             raise RuntimeError(
                 f"attention_backend='triton' was asked for but the Triton kernels cannot load ({e}). "
-                "Install triton, or use attention_backend='torch'."
+                "Install triton, or use attention_backend='reference'."
             ) from e
-        return TORCH_OPS
+        return REFERENCE_OPS  # auto on CUDA without Triton
     return TRITON_OPS

@@ -357,7 +357,7 @@ def _make_ops():
     from kernels.linear import linear_ref
 
     return Ops("triton", write_kv_triton, paged_attention_triton, rms_norm_triton, rotary_triton, linear_ref,
-               silu_mul_ref)
+               silu_mul_ref, "Triton KV write, paged attention, RMSNorm and rotary; cuBLAS linear")
 
 
 TRITON_OPS = _make_ops()

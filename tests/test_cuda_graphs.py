@@ -63,7 +63,7 @@ def test_graphs_refuse_ops_that_read_host_lists(make_tiny_model):
     from engine.cuda_graphs import DecodeGraphs
 
     llm = LLM(model=make_tiny_model("llama"), dtype="float32", device="cpu", num_kv_blocks=16,
-              attention_backend="torch", show_progress=False)
+              attention_backend="cpu", show_progress=False)
     runner = llm.engine.runner
     with pytest.raises(ValueError, match="Triton"):
         DecodeGraphs(runner.model, runner.kv_caches, sizes=[1, 2], max_model_len=64, block_size=16,

@@ -234,7 +234,7 @@ def test_native_cpu_kernels_build_where_they_can():
 
 
 def test_native_cpu_kernels_never_see_device_tensors():
-    """attention_backend="torch" on a GPU selects these ops: tensors not in host memory must take the torch
+    """Should these ops ever be handed device tensors: tensors not in host memory must take the torch
     path, never a C pointer. (The meta device stands in for CUDA: it has no memory a kernel could touch.)"""
     from kernels.activation import silu_mul_cpu
     from kernels.linear import linear_native
@@ -405,6 +405,25 @@ def test_rms_norm_per_head_on_a_strided_view():
 
 
 def test_select_ops_is_the_one_switch():
-    assert select_ops("auto", "cpu").name == "torch"
+    from kernels import REFERENCE_OPS
+
+    assert select_ops("auto", "cpu").name == "cpu"
+    assert select_ops("reference", "cpu") is REFERENCE_OPS and select_ops("reference", "cuda") is REFERENCE_OPS
     assert select_ops("triton", "cpu").name == "triton"
     assert select_ops("auto", "cuda").name == "triton"
+    with pytest.raises(ValueError, match="host memory"):
+        select_ops("cpu", "cuda")
+    with pytest.raises(ValueError, match="'torch' is now 'cpu'"):
+        select_ops("torch", "cpu")
+
+
+def test_cpu_ops_are_bound_once_for_the_dtype():
+    """In bf16 (the default dtype on CPUs with native bf16) the fp32-only C kernels would only check and fall
+    back on every call: the backend binds the library ops directly instead."""
+    from kernels.norm import rms_norm_cpu
+
+    bf16 = select_ops("cpu", "cpu", torch.bfloat16)
+    assert bf16.rms_norm is rms_norm_ref and bf16.rotary is rotary_ref and bf16.write_kv is write_kv_ref
+    assert bf16.paged_attention is paged_attention_sdpa and "no C kernels for torch.bfloat16" in bf16.description
+    fp32 = select_ops("cpu", "cpu", torch.float32)
+    assert (fp32.rms_norm is rms_norm_cpu) == _native_expected()
