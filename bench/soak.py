@@ -61,7 +61,7 @@ def main() -> None:
     step = 0
 
     def top_up() -> None:
-        while len(engine.requests) < args.concurrency:
+        while len(engine.request_ids) < args.concurrency:
             rid = f"r{counts['added']}"
             counts["added"] += 1
             plen = rng.randint(4, 160)
@@ -98,13 +98,13 @@ def main() -> None:
         if now >= next_sample:
             gc.collect()
             st = engine.stats()
-            row = (now - start, rss_mib(), st.num_free_blocks, st.num_total_blocks, len(engine.requests),
+            row = (now - start, rss_mib(), st.num_free_blocks, st.num_total_blocks, len(engine.request_ids),
                    len(engine.runner.sampler._seq_generators), len(gc.get_objects()))
             samples.append(row)
             print(f"{row[0]:7.0f} {row[1]:8.1f} {row[2]:>6}/{row[3]:<7} {row[4]:5} {row[5]:8} {row[6]:8} "
                   f"{counts['finished']:7} {counts['aborted']:8} {st.num_preemptions_total:8}")
             next_sample = now + args.every
-    for rid in list(engine.requests):
+    for rid in engine.request_ids:
         engine.abort_request(rid)
     gc.collect()
     st = engine.stats()

@@ -130,10 +130,17 @@ def test_autoscaling_app_builds_with_our_policy():
     from serve_app.app import engine_deployment_options
     from serve_app.config import ServeConfig
 
-    cfg = ServeConfig(num_replicas=None, min_replicas=0, max_replicas=3, downscale_quiet_s=4)
-    opts = engine_deployment_options(cfg)
-    assert "num_replicas" not in opts
-    build_app(cfg)  # Ray Serve accepts the deployment options
+    cfg = ServeConfig(num_replicas=None, min_replicas=0, max_replicas=3, downscale_quiet_s=4,
+                      kv_target_utilization=0.6)
+    assert "num_replicas" not in engine_deployment_options(cfg)
+    app = build_app(cfg)  # the application Ray Serve deploys: ingress bound to the engine deployment
+    engine = app._bound_deployment.init_args[0]._bound_deployment
+    auto = engine._deployment_config.autoscaling_config
+    assert engine.name == "KVEngine" and (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (0, 3, 1)
+    assert auto.policy.policy_function == "serve_app.autoscaling:KVAutoscalingPolicy"
+    assert auto.policy.policy_kwargs == {"target_utilization": 0.6, "downscale_quiet_s": 4.0}
+    router = engine._deployment_config.request_router_config
+    assert router.request_router_class == "serve_app.router:KVAwareRouter"
 
 
 def test_ray_hands_our_settings_to_the_policy():

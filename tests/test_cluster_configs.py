@@ -36,19 +36,6 @@ def test_cluster_yaml_passes_the_launcher_schema():
     assert types[config["head_node_type"]]["resources"].get("GPU", 0) == 0
 
 
-def test_cluster_yaml_breaks_the_schema_when_broken():
-    """The check above can fail: a misspelt key or a non-integer resource count is rejected."""
-    config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
-    bad = copy.deepcopy(config)
-    bad["available_node_types"]["gpu_worker"]["resoures"] = bad["available_node_types"]["gpu_worker"].pop("resources")
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(bad, _ray_cluster_schema())
-    bad = copy.deepcopy(config)
-    bad["available_node_types"]["gpu_worker"]["resources"]["GPU"] = 0.5
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(bad, _ray_cluster_schema())
-
-
 def test_cluster_yaml_installs_the_project_and_deploys_the_app():
     config = yaml.safe_load((ROOT / "cluster.yaml").read_text())
     assert "." in config["file_mounts"].values()
