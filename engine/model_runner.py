@@ -15,7 +15,9 @@ from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from engine.loader import iter_weights
 from engine.models import get_model_class
 from engine.sampler import Sampler, SamplerOutput
+from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
 from kernels import AttentionMetadata, select_ops
 
 logger = logging.getLogger(__name__)
@@ -66,6 +68,8 @@ class ModelRunner:
         self.vocab_size = spec.vocab_size
         self.num_layers, self.num_kv_heads, self.head_dim = spec.num_layers, spec.num_kv_heads, spec.head_dim
 
+        self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
+        self.attention_scratch: dict = {}  # reused gather buffers of the CPU attention (AttentionMetadata.scratch)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_budget()
         # (layers, K/V, blocks, block_size, kv_heads, head_dim): the one large allocation besides weights
         self.kv_cache = torch.zeros(
@@ -73,8 +77,6 @@ class ModelRunner:
             dtype=self.dtype, device=self.device,
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
-        self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
-        self.attention_scratch: dict = {}  # reused gather buffers of the CPU attention (AttentionMetadata.scratch)
         self.graphs = None  # DecodeGraphs once capture_decode_graphs has run (CUDA + Triton, not enforce_eager)
         logger.info("ops: %s backend: %s", self.ops.name, self.ops.description)
         logger.info("model on %s in %s; KV pool %d blocks x %d tokens (%.1f MiB)", self.device, self.dtype,
@@ -100,17 +102,32 @@ class ModelRunner:
         return int(num_blocks)
 
     def _activation_bytes(self) -> int:
-        """Rough peak of one forward at the full token budget, profiled on the device (CUDA only)."""
+        """Peak memory of one whole warm-up step at the largest batch the scheduler can form (CUDA only):
+        every layer, the logits and sampling, over a scratch KV pool just large enough for it."""
+        batch, num_blocks = warmup_batch(self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                         self.block_size)
+        torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        n = self.config.max_num_batched_tokens
-        hidden = torch.zeros(n, self.model.spec.hidden_size, dtype=self.dtype, device=self.device)
-        with torch.inference_mode():
-            mlp = self.model.model.layers[0].mlp
-            mlp(hidden)
-            self.model.compute_logits(hidden[: min(n, self.config.max_num_seqs)])
+        self.run_warmup(batch, num_blocks)
+        torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
-        return int(peak * 2)
+        scratch_pool = num_blocks * self.bytes_per_block  # counted in peak, but it is not activations
+        return int(max(0, peak - scratch_pool) * 1.1)  # 10 % for allocator fragmentation
+
+    def run_warmup(self, batch: ScheduledBatch, num_blocks: int) -> None:
+        """Run `batch` (from warmup_batch) against a scratch KV pool of num_blocks blocks, then drop the pool."""
+        scratch = torch.zeros(self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
+                              dtype=self.dtype, device=self.device)
+        saved = getattr(self, "kv_caches", None)
+        self.kv_caches = [(scratch[i, 0], scratch[i, 1]) for i in range(self.num_layers)]
+        try:
+            self.execute(batch)
+        finally:
+            self.kv_caches = saved
+            for seq in batch.seqs:
+                self.sampler.forget(seq.seq_id)
+            del scratch
 
     def capture_decode_graphs(self, max_model_len: int) -> None:
         """On CUDA with the Triton ops, capture decode steps as CUDA graphs (engine/cuda_graphs.py). Called by
@@ -167,3 +184,21 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[logits_idx])
         return self.sampler(logits, [batch.seqs[i] for i in sample_rows])
+
+
+def warmup_batch(max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> tuple[ScheduledBatch, int]:
+    """The largest step the scheduler can form: the whole token budget as prefills spread over as many
+    sequences as may run, every one of them sampling (so the logits and the sampler are at their largest too).
+    Returns the batch and the KV blocks it needs, numbered from 0."""
+    num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
+    base, extra = divmod(max_num_batched_tokens, num_seqs)
+    batch, next_block = ScheduledBatch(), 0
+    for i in range(num_seqs):
+        n = base + (1 if i < extra else 0)
+        seq = Sequence(f"warmup-{i}", 0, [0] * n, SamplingParams(max_tokens=1))
+        num_blocks = -(-n // block_size)
+        seq.block_ids = list(range(next_block, next_block + num_blocks))
+        next_block += num_blocks
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(n)
+    return batch, next_block

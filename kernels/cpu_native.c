@@ -1,8 +1,7 @@
 /* kvscale's CPU kernels (x86-64, AVX2 + FMA), built on first use by kernels/cpu_native.py.
  *
- * Decoding at small batch is a stream over every weight matrix: one row through the default model's weights
- * read at 33.5 GB/s with the linear kernel here and 16.5 GB/s with oneDNN's, in one run of bench/throughput.py
- * (copy bandwidth 30.3 GB/s). OpenMP shares torch's own runtime (same soname, already loaded), so there is
+ * Decoding at small batch is a stream over every weight matrix, so the linear kernel here is built to read the
+ * weights at the memory's bandwidth (figures and commands: bench/results/design_figures.md). OpenMP shares torch's own runtime (same soname, already loaded), so there is
  * one thread pool, not two.
  */
 #include <immintrin.h>
@@ -39,8 +38,7 @@ static inline float dot_f32(const float *a, const float *b, long n) {
 
 /* y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]), for r < rows: x (rows, in), w (out, in), y (rows, out),
  * all float32, row-major, contiguous. Each thread walks its contiguous share of the weight rows in order (one
- * stream per thread: on this class of machine that reads at about the copy bandwidth, where interleaving 4
- * weight rows measured 30 % slower); each weight row is read from memory once for all rows of x. */
+ * stream per thread, which read faster than interleaving rows: bench/results/design_figures.md); each weight row is read from memory once for all rows of x. */
 void kvs_linear_f32(const float *x, const float *w, const float *bias, float *y,
                     long rows, long in, long out, int threads) {
     #pragma omp parallel for schedule(static) num_threads(threads)

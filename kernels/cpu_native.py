@@ -1,14 +1,11 @@
 """Our own CPU kernels in C (kernels/cpu_native.c), compiled on first use with the system C compiler.
 
 Why: batch-1 and small-batch decoding streams every weight matrix once per step, so its speed is the GEMV's
-memory bandwidth, and at batch 1 the dispatch of many small torch ops costs more than their math. On this
-class of machine (AVX2, 2 cores) one row through every weight matrix of the default model took 16 ms with
-the GEMV here against 33 ms with oneDNN's linear in the same run (bench/throughput.py). It serves up to
-NATIVE_MAX_ROWS rows; bench/kernels.py prints both at 1, 5 and 6 rows, where oneDNN's blocked GEMM takes
-over (same-process measurements on the default model's gate|up shape: ours 1.6-1.8x faster from 1 to 5 rows,
-then about 2x slower at 6, where its time per weight row jumps; 0.8x at 12 on a mix of MLP shapes). The other kernels fuse what took torch
-2 to 8 ops: RMSNorm + residual, rotary, KV write, SwiGLU gating, and decode attention reading the pages in
-place.
+memory bandwidth, and at batch 1 the dispatch of many small torch ops costs more than their math. The GEMV
+serves up to NATIVE_MAX_ROWS rows, where oneDNN's blocked GEMM takes over; bench/kernels.py prints both at
+1, 5 and 6 rows (the figures that set it: bench/results/design_figures.md). The other kernels fuse what took
+torch 2 to 8 ops: RMSNorm + residual, rotary, KV write, SwiGLU gating, and decode attention reading the
+pages in place.
 
 The shared library is built once per (source, compiler flags, CPU model) into the kvscale cache dir
 (atomic rename, so concurrent first calls from several replicas are safe) and loaded with ctypes. Where it
@@ -85,7 +82,7 @@ def native() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         logger.warning("no C compiler found (set CC or install gcc) to build kvscale's CPU kernels; small-batch "
-                       "decoding falls back to torch's library kernels, about 1.4x slower")
+                       "decoding falls back to torch's library kernels, which are slower at few rows")
         return None
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + model.encode()).hexdigest()[:16]
     cache = os.environ.get("KVSCALE_CACHE_DIR") or os.path.join(

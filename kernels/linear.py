@@ -5,13 +5,12 @@ own AVX2 kernel (kernels/cpu_native.py), where it can be built; everything else 
 
 On CPU, F.linear goes to MKL, whose small-row GEMMs are slow on this class of machine (AVX2, AMD): at the
 row counts decoding runs at (1-64) torch's oneDNN linear, `torch.ops.mkldnn._linear_pointwise` (the op
-torch.compile's CPU backend emits), measured 1.1-2.4x faster on the default model's shapes and 2x on its LM
-head (bench/throughput.py prints the step-time split it leads to). It is used when this torch build has it
+torch.compile's CPU backend emits), is faster at those row counts (bench/results/design_figures.md;
+bench/throughput.py prints the step-time split it leads to). It is used when this torch build has it
 and it agrees with F.linear on a probe for the dtype; otherwise F.linear.
 
 oneDNN builds and caches one primitive per input shape. Batches of every row count from 1 to the token
-budget would fill that cache with hundreds of primitives per weight (bench/soak.py saw RSS climb by
-500 MiB in 3 minutes), so rows are padded up to bucket sizes (`row_bucket`): about 8 shapes per doubling
+budget would fill that cache with hundreds of primitives per weight (bench/soak.py saw RSS climb), so rows are padded up to bucket sizes (`row_bucket`): about 8 shapes per doubling
 of the row count, at most 12.5 % extra rows.
 """
 from __future__ import annotations

@@ -214,10 +214,8 @@ def attention_tiling(max_query_len: int, group: int, head_dim: int) -> dict[str,
 
 
 def choose_num_splits(num_programs: int, num_kv_heads: int, max_blocks: int, target_programs: int = 512) -> int:
-    """Split the context when there are too few (query tile, KV head) programs to fill the device. Measured
-    on an H200 (bench/kernels.py --sweep, bench/results/kernels_h200.txt): one 32k-token sequence with 8 KV
-    heads ran 3 % of copy bandwidth unsplit, 25 % in 16 splits, 37 % in 64; at 256+ programs splitting
-    gains nothing."""
+    """Split the context when there are too few (query tile, KV head) programs to fill the device; the
+    target and the cap come from bench/kernels.py --sweep on an H200 (bench/results/design_figures.md)."""
     if num_programs * num_kv_heads >= target_programs or max_blocks < 2 * SPLIT_MIN_BLOCKS:
         return 1
     want = -(-target_programs // (num_programs * num_kv_heads))

@@ -237,3 +237,28 @@ def test_failed_step_spares_requests_outside_it(make_tiny_model, monkeypatch):
             done[o.request_id] = o
     assert done["waiting"].outputs[0].token_ids == expected  # untouched by its neighbour's failure
     assert_all_free(llm)
+
+
+def test_warmup_step_is_the_largest_the_scheduler_can_form_and_runs_the_whole_model(llm):
+    """CUDA sizes its KV pool from the peak of this step (ModelRunner._activation_bytes); it must cover the
+    whole token budget, every sequence sampling, through every layer, and leave the real pool untouched."""
+    import torch
+
+    from engine.model_runner import warmup_batch
+
+    batch, num_blocks = warmup_batch(max_num_seqs=5, max_num_batched_tokens=70, block_size=16)
+    assert batch.num_tokens == 70 and len(batch.seqs) == 5 and batch.sample_rows() == [0, 1, 2, 3, 4]
+    assert num_blocks == sum(len(s.block_ids) for s in batch.seqs) == 5  # 14 tokens each: one block
+    runner = llm.engine.runner
+    pool_before = runner.kv_cache.clone()
+    calls = []
+    hook = runner.model.compute_logits
+    runner.model.compute_logits = lambda h: calls.append(h.shape) or hook(h)
+    try:
+        runner.run_warmup(batch, num_blocks)
+    finally:
+        runner.model.compute_logits = hook
+    assert calls == [torch.Size([5, runner.model.spec.hidden_size])]
+    assert torch.equal(runner.kv_cache, pool_before) and runner.kv_caches[0][0].data_ptr() == runner.kv_cache.data_ptr()
+    batch, _ = warmup_batch(max_num_seqs=256, max_num_batched_tokens=2048, block_size=16)
+    assert batch.num_tokens == 2048 and len(batch.seqs) == 256
