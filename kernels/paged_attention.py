@@ -6,6 +6,8 @@ engine's CPU path uses it and the Triton kernels are checked against it.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -99,8 +101,34 @@ def _decode_buckets(lengths: list[int], max_waste: float = 0.25) -> list[list[in
     return groups
 
 
+class NativeDecode(NamedTuple):
+    """Every decode row in one call of our C kernel, reading the pages in place."""
+    block_tables: torch.Tensor  # (B, max_blocks) int32
+    rows: torch.Tensor  # (Bd,) int64: which sequences
+    tokens: torch.Tensor  # (Bd,) int64: their query token
+    ctx_lens: torch.Tensor  # (Bd,) int64
+
+
+class DecodeGroup(NamedTuple):
+    """Decode rows of similar context length, their blocks gathered for one SDPA call."""
+    token_idx: torch.Tensor  # (Bg,)
+    block_ids: torch.Tensor  # (Bg * num_blocks,) int64
+    num_blocks: int
+    mask: torch.Tensor | None  # (Bg, 1, 1, Lk) bool; None: every key counts
+
+
+class PrefillChunk(NamedTuple):
+    """One sequence's query chunk against its cached prefix and itself."""
+    start: int
+    q_len: int
+    ctx: int
+    block_ids: torch.Tensor  # (num_blocks,) int64
+    num_blocks: int
+    mask: torch.Tensor | None  # (q_len, ctx) bool; None: plain causal
+
+
 def _sdpa_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | None, device,
-               native_decode: bool) -> list[tuple]:
+               native_decode: bool) -> list[NativeDecode | DecodeGroup | PrefillChunk]:
     """What paged_attention_sdpa does for this step, as index tensors and masks. Every layer of a step
     asks the same, so it is built once per step and kept on the metadata."""
     key = ("sdpa", block_size, sliding_window, native_decode)
@@ -109,11 +137,11 @@ def _sdpa_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | N
     starts = [0]
     for n in meta.query_lens_host:
         starts.append(starts[-1] + n)
-    plan: list[tuple] = []
+    plan: list[NativeDecode | DecodeGroup | PrefillChunk] = []
     decode = [b for b, n in enumerate(meta.query_lens_host) if n == 1]
     if native_decode and decode:  # every decode row in one call of our C kernel, reading the pages in place
         tables = meta.block_tables.to(torch.int32).contiguous()  # no copy when the runner's already are
-        plan.append(("native decode", tables, *(torch.tensor(x, dtype=torch.int64) for x in (
+        plan.append(NativeDecode(tables, *(torch.tensor(x, dtype=torch.int64) for x in (
             decode, [starts[b] for b in decode], [meta.seq_lens_host[b] for b in decode]))))
         decode = []
     for group in _decode_buckets([meta.seq_lens_host[b] for b in decode]):
@@ -129,7 +157,7 @@ def _sdpa_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | N
             if sliding_window is not None:
                 allowed &= key_pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
             mask = allowed[:, None, None, :]  # (B, 1, 1, Lk)
-        plan.append(("decode", torch.tensor([starts[b] for b in rows], device=device), ids.to(device), nb, mask))
+        plan.append(DecodeGroup(torch.tensor([starts[b] for b in rows], device=device), ids.to(device), nb, mask))
     for b, q_len in enumerate(meta.query_lens_host):
         if q_len == 1:
             continue
@@ -143,7 +171,7 @@ def _sdpa_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | N
             mask = key_pos <= q_pos
             if sliding_window is not None:
                 mask &= key_pos > q_pos - sliding_window
-        plan.append(("prefill", starts[b], q_len, ctx, ids, nb, mask))
+        plan.append(PrefillChunk(starts[b], q_len, ctx, ids, nb, mask))
     meta.plans[key] = plan
     return plan
 
@@ -191,21 +219,21 @@ def paged_attention_sdpa(
     native_decode = (lib is not None and fp32_on_cpu(q, k_cache, v_cache) and meta.block_tables.device.type == "cpu"
                      and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
     for step in _sdpa_plan(meta, block_size, sliding_window, q.device, native_decode):
-        if step[0] == "native decode":
-            _, tables, rows, tokens, ctx = step
+        if isinstance(step, NativeDecode):
+            tables, rows, tokens, ctx = step
             lib.kvs_paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                      tables.data_ptr(), tables.stride(0), rows.data_ptr(), tokens.data_ptr(),
                                      ctx.data_ptr(), len(rows), num_heads, num_kv_heads, head_dim, block_size,
                                      sliding_window or 0, scale, torch.get_num_threads())
-        elif step[0] == "decode":
-            _, token_idx, ids, nb, mask = step
+        elif isinstance(step, DecodeGroup):
+            token_idx, ids, nb, mask = step
             rows = len(token_idx)
             k, v = gather(k_cache, ids, rows, nb, "k"), gather(v_cache, ids, rows, nb, "v")
             res = F.scaled_dot_product_attention(q[token_idx].unsqueeze(2), k, v, attn_mask=mask, scale=scale,
                                                  enable_gqa=gqa)  # (B, H, 1, D)
             out[token_idx] = res.squeeze(2)
         else:
-            _, start, q_len, ctx, ids, nb, mask = step
+            start, q_len, ctx, ids, nb, mask = step
             k, v = gather(k_cache, ids, 1, nb, "k")[:, :, :ctx], gather(v_cache, ids, 1, nb, "v")[:, :, :ctx]
             qb = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # (1, H, Lq, D)
             res = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
