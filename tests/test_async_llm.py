@@ -107,3 +107,21 @@ def test_a_failing_engine_loop_fails_live_requests_and_marks_the_engine_unhealth
         assert s.num_free_blocks == s.num_total_blocks and s.num_running == s.num_waiting == 0
     finally:
         llm.shutdown()
+
+
+def test_serve_app_uses_only_the_public_surface_of_the_engine():
+    """The replica may not reach into the engine or AsyncLLM's private state (that is how engine deques
+    came to be iterated from Ray's threads): no `.llm.engine`, no `.llm._anything`, no LLMEngine import."""
+    import ast
+    from pathlib import Path
+
+    offences = []
+    for path in sorted((Path(__file__).resolve().parents[1] / "serve_app").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "llm" and (node.attr == "engine" or node.attr.startswith("_"))):
+                offences.append(f"{path.name}:{node.lineno} .llm.{node.attr}")
+            if isinstance(node, ast.ImportFrom) and node.module == "engine.llm_engine" and any(
+                    a.name == "LLMEngine" for a in node.names):
+                offences.append(f"{path.name}:{node.lineno} imports LLMEngine")
+    assert not offences, offences
