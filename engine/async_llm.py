@@ -5,7 +5,7 @@ stream with
 
 The engine thread is the only one that touches engine state. Callers reach it through a command queue
 (add, abort), get outputs delivered to their event loop, and read `stats()`: an immutable snapshot the
-thread publishes after every step and command. Outputs follow params.output_kind; with DELTA (what
+thread publishes once per loop: after the queued commands and the step they lead to. Outputs follow params.output_kind; with DELTA (what
 servers ask for) outputs that pile up while a caller is busy are merged into one, so a loaded server
 sends fewer, larger chunks instead of falling further behind. Leaving the loop early, or cancelling the
 task, aborts the request and frees its blocks.
@@ -131,17 +131,22 @@ class AsyncLLM:
             self._engine.abort_request(command[1])
 
     def _run_once(self) -> None:
+        """Every queued command, then one step, then one published snapshot; idle, wait for a command."""
         engine = self._engine
-        try:
-            idle = not engine.has_unfinished_requests()
-            self._handle(self._commands.get(timeout=0.5) if idle else self._commands.get_nowait())
-            return  # drain all commands before the next step
-        except queue.Empty:
-            pass
+        while True:
+            try:
+                self._handle(self._commands.get_nowait())
+            except queue.Empty:
+                break
         if engine.has_unfinished_requests():
             for out in engine.step():
                 self._deliver(out.request_id, out)
         self._stats = engine.stats()
+        if not engine.has_unfinished_requests():
+            try:
+                self._handle(self._commands.get(timeout=0.5))
+            except queue.Empty:
+                pass
 
     def _loop(self) -> None:
         try:

@@ -137,7 +137,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict, params: SamplingParams) -> None:
         """Validate and queue. Raises ValueError for a request that can never run; nothing is queued then."""
-        if request_id in self.output_processor.requests:
+        if self.has_request(request_id):
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab = self.runner.vocab_size
         if any(t >= vocab for t in params.stop_token_ids):
@@ -237,9 +237,6 @@ class LLMEngine:
             self.scheduler, num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_steps_total=self.num_steps_total, step_seconds_total=self.step_seconds_total,
             last_step_seconds=self.last_step_seconds, last_step_num_tokens=self.last_step_num_tokens)
-
-    def live_sequences(self) -> Iterable[Sequence]:
-        return self.scheduler.live_sequences()
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:
