@@ -185,7 +185,8 @@ class StepTimer:
         self._wrap(runner, "prepare", "input preparation")
         runner.sampler = _TimedCall(runner.sampler, self._timed(runner.sampler, "sampling"))
         self._wrap(runner.model, "compute_logits", "LM head (logits)")
-        self._wrap(engine, "_update", "update + detokenize")
+        self._wrap(engine.scheduler, "update_from_output", "update + detokenize")
+        self._wrap(engine.output_processor, "process", "update + detokenize")
         ops = runner.model.model.layers[0].self_attn.ops
         timed_ops = dataclasses.replace(ops, write_kv=self._timed(ops.write_kv, "attention"),
                                         paged_attention=self._timed(ops.paged_attention, "attention"))

@@ -2,7 +2,7 @@
 the device and dtype: "reference" (plain torch), "cpu" (C kernels + oneDNN + SDPA) or "triton".
 
 Every op has a plain torch reference (`*_ref`) with the signature its Triton kernel keeps. The CPU path
-(`*_cpu`) runs our C kernels in fp32 where they build (kernels/cpu_native.py: small-batch GEMV, RMSNorm,
+(`*_cpu`) runs our C kernels in fp32 and bf16 where they build (kernels/cpu_native.py: small-batch GEMV, RMSNorm,
 rotary, KV write, decode attention reading pages in place, SwiGLU gating), oneDNN for larger matmuls and
 torch's fused SDPA for prefill attention, and the references otherwise; each is checked against its
 reference. CUDA uses the Triton kernels where they exist and cuBLAS for linear layers.
@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from kernels.activation import silu_mul_cpu, silu_mul_ref
-from kernels.cpu_native import native
+from kernels.cpu_native import NATIVE_MAX_ROWS, NATIVE_MAX_ROWS_BF16, native
 from kernels.kv_cache import write_kv_cpu, write_kv_ref
 from kernels.linear import linear_cpu, linear_ref
 from kernels.metadata import AttentionMetadata
@@ -50,15 +50,19 @@ REFERENCE_OPS = Ops("reference", write_kv_ref, paged_attention_ref, rms_norm_ref
 
 
 def cpu_ops(dtype: torch.dtype) -> Ops:
-    """The CPU path for this dtype, decided once: in fp32 where our C kernels build, they run (GEMV for few
-    rows, norm, rotary, KV write, SwiGLU, paged decode attention); linear layers otherwise go to oneDNN and
-    attention to torch's fused SDPA; in other dtypes (bf16) or without the C kernels the elementwise ops are
-    the references, bound directly."""
-    if dtype == torch.float32 and native() is not None:
+    """The CPU path for this dtype, decided once: in fp32 and bf16 where our C kernels build, they run (GEMV for
+    few rows, norm, rotary, KV write, SwiGLU, paged decode attention); linear layers otherwise go to oneDNN and
+    attention to torch's fused SDPA; in other dtypes or without the C kernels the elementwise ops are the
+    references, bound directly."""
+    lib = native()
+    if dtype in (torch.float32, torch.bfloat16) and lib is not None:
+        gemv = ("bf16 GEMV <= %d rows (%s)" % (NATIVE_MAX_ROWS_BF16, "AVX512-BF16" if lib.kvs_has_avx512bf16() else
+                                               "AVX2, bf16 widened") if dtype == torch.bfloat16
+                else f"fp32 GEMV <= {NATIVE_MAX_ROWS} rows")
         return Ops("cpu", write_kv_cpu, paged_attention_sdpa, rms_norm_cpu, rotary_cpu, linear_cpu, silu_mul_cpu,
-                   "our C kernels (fp32 GEMV <= 5 rows, RMSNorm, rotary, KV write, SwiGLU, paged decode attention), "
+                   f"our C kernels ({gemv}, RMSNorm, rotary, KV write, SwiGLU, paged decode attention), "
                    "oneDNN linear, SDPA prefill attention")
-    why = "no C kernels on this machine" if dtype == torch.float32 else f"no C kernels for {dtype}"
+    why = "no C kernels on this machine" if dtype in (torch.float32, torch.bfloat16) else f"no C kernels for {dtype}"
     return Ops("cpu", write_kv_ref, paged_attention_sdpa, rms_norm_ref, rotary_ref, linear_cpu, silu_mul_ref,
                f"oneDNN linear, SDPA attention, torch reference elementwise ops ({why})")
 

@@ -1,4 +1,10 @@
-/* kvscale's CPU kernels (x86-64, AVX2 + FMA), built on first use by kernels/cpu_native.py.
+/* kvscale's CPU kernels (x86-64, AVX2 + FMA; bf16 GEMV with AVX512-BF16 where the CPU has it), built on first
+ * use by kernels/cpu_native.py.
+ *
+ * Every kernel but the GEMV takes fp32 or bf16 tensors (flag `bf`): each has one body, specialized per dtype by
+ * the compiler (always_inline with a constant flag). Loads widen bf16 to fp32, the math runs in fp32, and each
+ * result is rounded to the storage dtype exactly where the torch reference rounds (after every torch op in
+ * bf16), so bf16 outputs match the reference bit for bit except for reduction order.
  *
  * Decoding at small batch is a stream over every weight matrix, so the linear kernel here is built to read the
  * weights at the memory's bandwidth (figures and commands: bench/results/design_figures.md). OpenMP shares torch's own runtime (same soname, already loaded), so there is
@@ -8,7 +14,48 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdlib.h>
+#include <stdint.h>
 #include <string.h>
+
+#define KVS_INLINE static inline __attribute__((always_inline))
+typedef uint16_t bf16_t;
+
+/* bf16 <-> fp32: widening is exact (the high half of a float); narrowing rounds to nearest even, NaN kept */
+KVS_INLINE float bf2f(bf16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+KVS_INLINE bf16_t f2bf(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (bf16_t)((u >> 16) | 0x40);
+    return (bf16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+KVS_INLINE __m256 bf8_to_f(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+KVS_INLINE __m128i f_to_bf8(__m256 v) {  /* round to nearest even (activations hold no NaN) */
+    __m256i u = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    u = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1));
+}
+
+/* element i of a fp32 (bf = 0) or bf16 (bf = 1) array, as fp32; and stores that round to the array's dtype */
+KVS_INLINE float ld1(const void *p, long i, int bf) { return bf ? bf2f(((const bf16_t *)p)[i]) : ((const float *)p)[i]; }
+KVS_INLINE void st1(void *p, long i, float v, int bf) {
+    if (bf) ((bf16_t *)p)[i] = f2bf(v); else ((float *)p)[i] = v;
+}
+KVS_INLINE float rnd1(float v, int bf) { return bf ? bf2f(f2bf(v)) : v; }  /* v as the dtype holds it */
+KVS_INLINE __m256 ld8(const void *p, long i, int bf) {
+    return bf ? bf8_to_f(_mm_loadu_si128((const __m128i *)((const bf16_t *)p + i))) : _mm256_loadu_ps((const float *)p + i);
+}
+KVS_INLINE void st8(void *p, long i, __m256 v, int bf) {
+    if (bf) _mm_storeu_si128((__m128i *)((bf16_t *)p + i), f_to_bf8(v)); else _mm256_storeu_ps((float *)p + i, v);
+}
+KVS_INLINE __m256 rnd8(__m256 v, int bf) { return bf ? bf8_to_f(f_to_bf8(v)) : v; }
 
 static inline float hsum(__m256 v) {
     __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
@@ -49,48 +96,6 @@ void kvs_linear_f32(const float *x, const float *w, const float *bias, float *y,
     }
 }
 
-/* RMSNorm of each row of x (optionally x + residual, which is then also written to residual_out), fp32 as the
- * reference: out = w * (s * 1 / sqrt(mean(s^2) + eps)). Rows in parallel; strides in elements. */
-void kvs_rms_norm_f32(const float *x, const float *residual, float *out, float *residual_out, const float *w,
-                      long rows, long hidden, long stride_x, long stride_r, float eps, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(rows >= 4 * threads ? threads : 1)
-    for (long t = 0; t < rows; t++) {
-        const float *xr = x + t * stride_x;
-        float *o = out + t * hidden;
-        const float *s = xr;
-        if (residual) {
-            const float *rr = residual + t * stride_r;
-            float *ro = residual_out + t * hidden;
-            for (long i = 0; i < hidden; i++) ro[i] = xr[i] + rr[i];
-            s = ro;
-        }
-        double sq = 0.0;
-        for (long i = 0; i < hidden; i++) sq += (double)s[i] * s[i];
-        float inv = 1.0f / sqrtf((float)(sq / hidden) + eps);
-        for (long i = 0; i < hidden; i++) o[i] = w[i] * (s[i] * inv);
-    }
-}
-
-/* Rotate-half rotary of x (tokens, heads, head_dim) into out (contiguous), cos/sin rows picked by position:
- * out = x * cos + rotate_half(x) * sin, with cos/sin tables of full head_dim width (row stride cs_stride). */
-void kvs_rotary_f32(const float *x, float *out, const long *positions, const float *cos_t, const float *sin_t,
-                    long tokens, long heads, long head_dim, long stride_xt, long stride_xh, long cs_stride,
-                    int threads) {
-    long half = head_dim / 2;
-    #pragma omp parallel for schedule(static) num_threads(tokens >= 4 * threads ? threads : 1)
-    for (long t = 0; t < tokens; t++) {
-        const float *c = cos_t + positions[t] * cs_stride, *sn = sin_t + positions[t] * cs_stride;
-        for (long h = 0; h < heads; h++) {
-            const float *xh = x + t * stride_xt + h * stride_xh;
-            float *o = out + (t * heads + h) * head_dim;
-            for (long i = 0; i < half; i++) {
-                o[i] = xh[i] * c[i] + (-xh[i + half]) * sn[i];
-                o[i + half] = xh[i + half] * c[i + half] + xh[i] * sn[i + half];
-            }
-        }
-    }
-}
-
 /* exp(x) on 8 floats: range reduction to n*ln2 + r and a degree-5 polynomial (the Cephes expf scheme), within
  * 2 ulp of expf for the inputs attention feeds it (x <= 0). */
 static inline __m256 exp256(__m256 x) {
@@ -117,18 +122,147 @@ static inline __m256 hsum8(const __m256 *a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+
+/* y = x @ w.T (+ bias) in bf16: x (rows, in), w (out, in), bias (out), y (rows, out), contiguous. Products and
+ * sums in fp32, the bias added in fp32, one rounding to bf16 at the end, as oneDNN's bf16 linear does. With
+ * AVX512-BF16, vdpbf16ps multiplies 32 bf16 pairs per instruction and the stream over w is the only cost; without
+ * it, x is widened to fp32 once and w 8 values at a time. Threads split the weight rows as in the fp32 GEMV. */
+#ifdef __AVX512BF16__
+KVS_INLINE float dot_bf16(const bf16_t *w, const bf16_t *x, long n) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    long i = 0;
+#define KVS_DP(acc, o) acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(w + i + o), (__m512bh)_mm512_loadu_si512(x + i + o))
+    for (; i + 128 <= n; i += 128) { KVS_DP(a0, 0); KVS_DP(a1, 32); KVS_DP(a2, 64); KVS_DP(a3, 96); }
+    for (; i + 32 <= n; i += 32) KVS_DP(a0, 0);
+#undef KVS_DP
+    float s = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    for (; i < n; i++) s += bf2f(w[i]) * bf2f(x[i]);
+    return s;
+}
+#endif
+
+KVS_INLINE float dot_bf16w_f32x(const bf16_t *w, const float *x, long n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 16 <= n; i += 16) {
+        a0 = _mm256_fmadd_ps(ld8(w, i, 1), _mm256_loadu_ps(x + i), a0);
+        a1 = _mm256_fmadd_ps(ld8(w, i + 8, 1), _mm256_loadu_ps(x + i + 8), a1);
+    }
+    float s = hsum(_mm256_add_ps(a0, a1));
+    for (; i < n; i++) s += bf2f(w[i]) * x[i];
+    return s;
+}
+
+int kvs_has_avx512bf16(void) {
+#ifdef __AVX512BF16__
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+void kvs_linear_bf16(const bf16_t *x, const bf16_t *w, const bf16_t *bias, bf16_t *y,
+                     long rows, long in, long out, int threads) {
+#ifdef __AVX512BF16__
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long o = 0; o < out; o++) {
+        const bf16_t *wr = w + o * in;
+        for (long r = 0; r < rows; r++)
+            y[r * out + o] = f2bf(dot_bf16(wr, x + r * in, in) + (bias ? bf2f(bias[o]) : 0.0f));
+    }
+#else
+    float *xf = malloc(sizeof(float) * (size_t)(rows * in));
+    for (long i = 0; i < rows * in; i++) xf[i] = bf2f(x[i]);
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long o = 0; o < out; o++) {
+        const bf16_t *wr = w + o * in;
+        for (long r = 0; r < rows; r++)
+            y[r * out + o] = f2bf(dot_bf16w_f32x(wr, xf + r * in, in) + (bias ? bf2f(bias[o]) : 0.0f));
+    }
+    free(xf);
+#endif
+}
+
+/* RMSNorm of each row of x (optionally x + residual, which is then also written to residual_out), as the
+ * reference: s = x (+ residual, rounded to the dtype), out = w * dtype(s / sqrt(mean(s^2) + eps)) with the
+ * statistics in fp32 (here double). Rows in parallel; strides in elements. */
+KVS_INLINE void rms_norm_body(const void *x, const void *residual, void *out, void *residual_out, const void *w,
+                              long rows, long hidden, long stride_x, long stride_r, float eps, int threads, int bf) {
+    #pragma omp parallel for schedule(static) num_threads(rows >= 4 * threads ? threads : 1)
+    for (long t = 0; t < rows; t++) {
+        const void *s = x;  /* the normalized row is s[so ...] */
+        long so = t * stride_x;
+        if (residual) {
+            for (long i = 0; i < hidden; i++)
+                st1(residual_out, t * hidden + i, ld1(x, t * stride_x + i, bf) + ld1(residual, t * stride_r + i, bf), bf);
+            s = residual_out;
+            so = t * hidden;
+        }
+        double sq = 0.0;
+        for (long i = 0; i < hidden; i++) { double v = ld1(s, so + i, bf); sq += v * v; }
+        float inv = 1.0f / sqrtf((float)(sq / hidden) + eps);
+        long i = 0;
+        __m256 vi = _mm256_set1_ps(inv);
+        for (; i + 8 <= hidden; i += 8)
+            st8(out, t * hidden + i, _mm256_mul_ps(ld8(w, i, bf), rnd8(_mm256_mul_ps(ld8(s, so + i, bf), vi), bf)), bf);
+        for (; i < hidden; i++) st1(out, t * hidden + i, ld1(w, i, bf) * rnd1(ld1(s, so + i, bf) * inv, bf), bf);
+    }
+}
+
+void kvs_rms_norm(const void *x, const void *residual, void *out, void *residual_out, const void *w, long rows,
+                  long hidden, long stride_x, long stride_r, float eps, int bf, int threads) {
+    if (bf) rms_norm_body(x, residual, out, residual_out, w, rows, hidden, stride_x, stride_r, eps, threads, 1);
+    else rms_norm_body(x, residual, out, residual_out, w, rows, hidden, stride_x, stride_r, eps, threads, 0);
+}
+
+/* Rotate-half rotary of x (tokens, heads, head_dim) into out (contiguous), cos/sin rows (fp32 tables, rounded to
+ * the dtype first, as the reference's .to(dtype)) picked by position: out = x * cos + rotate_half(x) * sin, each
+ * product and the sum rounded to the dtype. Tables of full head_dim width, row stride cs_stride. */
+KVS_INLINE void rotary_body(const void *x, void *out, const long *positions, const float *cos_t, const float *sin_t,
+                            long tokens, long heads, long head_dim, long stride_xt, long stride_xh, long cs_stride,
+                            int threads, int bf) {
+    long half = head_dim / 2;
+    #pragma omp parallel for schedule(static) num_threads(tokens >= 4 * threads ? threads : 1)
+    for (long t = 0; t < tokens; t++) {
+        const float *c = cos_t + positions[t] * cs_stride, *sn = sin_t + positions[t] * cs_stride;
+        for (long h = 0; h < heads; h++) {
+            long xo = t * stride_xt + h * stride_xh, oo = (t * heads + h) * head_dim, i = 0;
+            for (; half % 8 == 0 && i < half; i += 8) {
+                __m256 x1 = ld8(x, xo + i, bf), x2 = ld8(x, xo + i + half, bf);
+                __m256 c1 = rnd8(_mm256_loadu_ps(c + i), bf), c2 = rnd8(_mm256_loadu_ps(c + i + half), bf);
+                __m256 s1 = rnd8(_mm256_loadu_ps(sn + i), bf), s2 = rnd8(_mm256_loadu_ps(sn + i + half), bf);
+                __m256 nx2 = _mm256_sub_ps(_mm256_setzero_ps(), x2);
+                st8(out, oo + i, _mm256_add_ps(rnd8(_mm256_mul_ps(x1, c1), bf), rnd8(_mm256_mul_ps(nx2, s1), bf)), bf);
+                st8(out, oo + i + half, _mm256_add_ps(rnd8(_mm256_mul_ps(x2, c2), bf), rnd8(_mm256_mul_ps(x1, s2), bf)), bf);
+            }
+            for (; i < half; i++) {
+                float x1 = ld1(x, xo + i, bf), x2 = ld1(x, xo + i + half, bf);
+                st1(out, oo + i, rnd1(x1 * rnd1(c[i], bf), bf) + rnd1(-x2 * rnd1(sn[i], bf), bf), bf);
+                st1(out, oo + i + half, rnd1(x2 * rnd1(c[i + half], bf), bf) + rnd1(x1 * rnd1(sn[i + half], bf), bf), bf);
+            }
+        }
+    }
+}
+
+void kvs_rotary(const void *x, void *out, const long *positions, const float *cos_t, const float *sin_t, long tokens,
+                long heads, long head_dim, long stride_xt, long stride_xh, long cs_stride, int bf, int threads) {
+    if (bf) rotary_body(x, out, positions, cos_t, sin_t, tokens, heads, head_dim, stride_xt, stride_xh, cs_stride, threads, 1);
+    else rotary_body(x, out, positions, cos_t, sin_t, tokens, heads, head_dim, stride_xt, stride_xh, cs_stride, threads, 0);
+}
+
 /* Decode attention straight from the paged cache: one query token per sequence, no gathered copy of K/V.
- * q, out: (tokens, heads, head_dim); caches: (blocks, block_size, kv_heads, head_dim), all fp32 contiguous.
+ * q, out: (tokens, heads, head_dim); caches: (blocks, block_size, kv_heads, head_dim), all fp32 or all bf16,
+ * contiguous; scores, softmax and the weighted sum of V in fp32, the output rounded once to the dtype.
  * For decode row i: its token is tokens[i], its block table row is block_tables + rows[i] * bt_stride, and it
  * sees keys [max(0, ctx - window), ctx) (window 0: all). A task is one row and all its KV heads (or, when
  * there are too few rows to keep the threads busy, one KV head), so each cache row comes from memory once:
  * scores 8 keys at a time for every query head while those 8 K rows sit in L1, an exact softmax over the
  * score buffer, then V in chunks of 64 rows (in L1/L2) added into every head's output vector by vector. */
 #define KVS_V_CHUNK 64
-void kvs_paged_decode_f32(const float *q, const float *k_cache, const float *v_cache, float *out,
-                          const int *block_tables, long bt_stride, const long *rows, const long *tokens,
-                          const long *ctx_lens, long n, long num_heads, long num_kv_heads, long head_dim,
-                          long block_size, long window, float scale, int threads) {
+KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void *v_cache, void *out,
+                                  const int *block_tables, long bt_stride, const long *rows, const long *tokens,
+                                  const long *ctx_lens, long n, long num_heads, long num_kv_heads, long head_dim,
+                                  long block_size, long window, float scale, int threads, int bf) {
     long group = num_heads / num_kv_heads, kv_row = num_kv_heads * head_dim;
     long splits = n < 2 * threads ? num_kv_heads : 1, per_task = num_kv_heads / splits;
     int vec = head_dim % 8 == 0;
@@ -138,7 +272,7 @@ void kvs_paged_decode_f32(const float *q, const float *k_cache, const float *v_c
         long heads = per_task * group;  /* query heads of this task: h0 * group ... */
         long ctx = ctx_lens[i], lo = window > 0 && ctx > window ? ctx - window : 0, len = ctx - lo;
         const int *bt = block_tables + rows[i] * bt_stride;
-        const float *qh = q + (tokens[i] * num_heads + h0 * group) * head_dim;
+        long q0 = (tokens[i] * num_heads + h0 * group) * head_dim;  /* this task's first query element */
         float *s = malloc(sizeof(float) * (size_t)(heads * len));
         float *acc = calloc((size_t)(heads * head_dim), sizeof(float));
         long *off = malloc(sizeof(long) * (size_t)len);  /* each visible key's row in the caches */
@@ -150,22 +284,25 @@ void kvs_paged_decode_f32(const float *q, const float *k_cache, const float *v_c
         if (vec) {
             for (; j + 8 <= len; j += 8) {
                 for (long x = 0; x < heads; x++) {  /* query head x reads KV head x / group of this task */
-                    const float *qx = qh + x * head_dim;
-                    long kh = (x / group) * head_dim;
+                    long qx = q0 + x * head_dim, kh = (x / group) * head_dim;
                     __m256 a[8];
                     for (int k = 0; k < 8; k++) a[k] = _mm256_setzero_ps();
                     for (long d = 0; d < head_dim; d += 8) {
-                        __m256 qv = _mm256_loadu_ps(qx + d);
+                        __m256 qv = ld8(q, qx + d, bf);
                         for (int k = 0; k < 8; k++)
-                            a[k] = _mm256_fmadd_ps(_mm256_loadu_ps(k_cache + off[j + k] + kh + d), qv, a[k]);
+                            a[k] = _mm256_fmadd_ps(ld8(k_cache, off[j + k] + kh + d, bf), qv, a[k]);
                     }
                     _mm256_storeu_ps(s + x * len + j, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
                 }
             }
         }
         for (; j < len; j++)
-            for (long x = 0; x < heads; x++)
-                s[x * len + j] = dot_f32(qh + x * head_dim, k_cache + off[j] + (x / group) * head_dim, head_dim) * scale;
+            for (long x = 0; x < heads; x++) {
+                long qx = q0 + x * head_dim, kx = off[j] + (x / group) * head_dim;
+                float dot = 0.0f;
+                for (long d = 0; d < head_dim; d++) dot += ld1(q, qx + d, bf) * ld1(k_cache, kx + d, bf);
+                s[x * len + j] = dot * scale;
+            }
         for (long x = 0; x < heads; x++) {
             float *sx = s + x * len, m = -INFINITY, sum = 0.0f;
             for (long t = 0; t < len; t++) m = sx[t] > m ? sx[t] : m;
@@ -184,7 +321,8 @@ void kvs_paged_decode_f32(const float *q, const float *k_cache, const float *v_c
         for (long j0 = 0; j0 < len; j0 += KVS_V_CHUNK) {
             long j1 = j0 + KVS_V_CHUNK < len ? j0 + KVS_V_CHUNK : len;
             for (long x = 0; x < heads; x++) {
-                const float *w = s + x * len, *vh = v_cache + (x / group) * head_dim;
+                const float *w = s + x * len;
+                long vh = (x / group) * head_dim;
                 float *a = acc + x * head_dim;
                 long d = 0;
                 if (vec) {
@@ -193,52 +331,71 @@ void kvs_paged_decode_f32(const float *q, const float *k_cache, const float *v_c
                         __m256 c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
                         long t = j0;
                         for (; t + 4 <= j1; t += 4) {
-                            c0 = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), _mm256_loadu_ps(vh + off[t] + d), c0);
-                            c1 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 1]), _mm256_loadu_ps(vh + off[t + 1] + d), c1);
-                            c2 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 2]), _mm256_loadu_ps(vh + off[t + 2] + d), c2);
-                            c3 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 3]), _mm256_loadu_ps(vh + off[t + 3] + d), c3);
+                            c0 = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), ld8(v_cache, vh + off[t] + d, bf), c0);
+                            c1 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 1]), ld8(v_cache, vh + off[t + 1] + d, bf), c1);
+                            c2 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 2]), ld8(v_cache, vh + off[t + 2] + d, bf), c2);
+                            c3 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 3]), ld8(v_cache, vh + off[t + 3] + d, bf), c3);
                         }
                         for (; t < j1; t++)
-                            c0 = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), _mm256_loadu_ps(vh + off[t] + d), c0);
+                            c0 = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), ld8(v_cache, vh + off[t] + d, bf), c0);
                         _mm256_storeu_ps(a + d, _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
                     }
                 }
                 for (; d < head_dim; d++)  /* head_dim not a multiple of 8 */
-                    for (long t = j0; t < j1; t++) a[d] += w[t] * vh[off[t] + d];
+                    for (long t = j0; t < j1; t++) a[d] += w[t] * ld1(v_cache, vh + off[t] + d, bf);
             }
         }
-        memcpy(out + (tokens[i] * num_heads + h0 * group) * head_dim, acc, sizeof(float) * (size_t)(heads * head_dim));
+        for (long e = 0; e < heads * head_dim; e++) st1(out, q0 + e, acc[e], bf);
         free(off);
         free(s);
         free(acc);
     }
 }
 
-/* KV write: row t of key/value (kv_heads * head_dim contiguous floats, rows stride_k / stride_v apart) into
- * cache slot slots[t]; slot -1 (padding) stores nothing. */
-void kvs_write_kv_f32(const float *key, const float *value, float *k_cache, float *v_cache, const long *slots,
-                      long tokens, long row, long stride_k, long stride_v) {
+void kvs_paged_decode(const void *q, const void *k_cache, const void *v_cache, void *out, const int *block_tables,
+                      long bt_stride, const long *rows, const long *tokens, const long *ctx_lens, long n,
+                      long num_heads, long num_kv_heads, long head_dim, long block_size, long window, float scale,
+                      int bf, int threads) {
+    if (bf)
+        paged_decode_body(q, k_cache, v_cache, out, block_tables, bt_stride, rows, tokens, ctx_lens, n, num_heads,
+                          num_kv_heads, head_dim, block_size, window, scale, threads, 1);
+    else
+        paged_decode_body(q, k_cache, v_cache, out, block_tables, bt_stride, rows, tokens, ctx_lens, n, num_heads,
+                          num_kv_heads, head_dim, block_size, window, scale, threads, 0);
+}
+
+/* KV write: row t of key/value (row_bytes contiguous bytes, rows stride_k / stride_v bytes apart) into cache slot
+ * slots[t]; slot -1 (padding) stores nothing. Any dtype: it only copies. */
+void kvs_write_kv(const char *key, const char *value, char *k_cache, char *v_cache, const long *slots,
+                  long tokens, long row_bytes, long stride_k, long stride_v) {
     for (long t = 0; t < tokens; t++) {
         if (slots[t] < 0) continue;
-        memcpy(k_cache + slots[t] * row, key + t * stride_k, sizeof(float) * (size_t)row);
-        memcpy(v_cache + slots[t] * row, value + t * stride_v, sizeof(float) * (size_t)row);
+        memcpy(k_cache + slots[t] * row_bytes, key + t * stride_k, (size_t)row_bytes);
+        memcpy(v_cache + slots[t] * row_bytes, value + t * stride_v, (size_t)row_bytes);
     }
 }
 
-/* SwiGLU's gate: out[r, i] = silu(gu[r, i]) * gu[r, inter + i], silu(g) = g / (1 + exp(-g)) as torch
- * computes it; gu rows are stride_gu apart, out is contiguous (rows, inter). */
-void kvs_silu_mul_f32(const float *gu, float *out, long rows, long inter, long stride_gu, int threads) {
+/* SwiGLU's gate: out[r, i] = dtype(silu(gu[r, i])) * gu[r, inter + i], silu(g) = g / (1 + exp(-g)) in fp32 as
+ * torch computes it, rounded to the dtype before the product as torch's separate ops do; gu rows are stride_gu
+ * apart, out is contiguous (rows, inter). */
+KVS_INLINE void silu_mul_body(const void *gu, void *out, long rows, long inter, long stride_gu, int threads, int bf) {
     #pragma omp parallel for schedule(static) num_threads(rows >= 4 * threads ? threads : 1)
     for (long r = 0; r < rows; r++) {
-        const float *g = gu + r * stride_gu, *u = g + inter;
-        float *o = out + r * inter;
-        long i = 0;
+        long g = r * stride_gu, u = g + inter, o = r * inter, i = 0;
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
         for (; i + 8 <= inter; i += 8) {
-            __m256 gv = _mm256_loadu_ps(g + i);
-            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv))));
-            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+            __m256 gv = ld8(gu, g + i, bf);
+            __m256 s = rnd8(_mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv)))), bf);
+            st8(out, o + i, _mm256_mul_ps(s, ld8(gu, u + i, bf)), bf);
         }
-        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (; i < inter; i++) {
+            float gv = ld1(gu, g + i, bf);
+            st1(out, o + i, rnd1(gv / (1.0f + expf(-gv)), bf) * ld1(gu, u + i, bf), bf);
+        }
     }
+}
+
+void kvs_silu_mul(const void *gu, void *out, long rows, long inter, long stride_gu, int bf, int threads) {
+    if (bf) silu_mul_body(gu, out, rows, inter, stride_gu, threads, 1);
+    else silu_mul_body(gu, out, rows, inter, stride_gu, threads, 0);
 }

@@ -31,7 +31,10 @@ SOURCE = Path(__file__).with_name("cpu_native.c")
 # -ffp-contract=off: no fused multiply-adds the source does not ask for, so the elementwise kernels round
 # exactly as torch's separate multiply and add do
 FLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
-NATIVE_MAX_ROWS = 5  # up to here our GEMV beats oneDNN on 2 AVX2 cores (bench/kernels.py)
+# on CPUs with AVX512-BF16 the bf16 GEMV multiplies bf16 pairs with vdpbf16ps (the rest stays AVX2)
+BF16_FLAGS = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16"]
+NATIVE_MAX_ROWS = 5  # up to here our fp32 GEMV beats oneDNN on 2 AVX2 cores (bench/kernels.py)
+NATIVE_MAX_ROWS_BF16 = 5  # and our bf16 GEMV beats oneDNN's bf16 linear (bench/kernels.py --dtype bfloat16)
 
 
 def _cpu_flags() -> tuple[str, set[str]]:
@@ -48,12 +51,16 @@ def _cpu_flags() -> tuple[str, set[str]]:
     return model, flags
 
 
-def _build(target: Path, compiler: str) -> None:
+def _flags(cpu_flags: set[str]) -> list[str]:
+    return FLAGS + (BF16_FLAGS if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= cpu_flags else [])
+
+
+def _build(target: Path, compiler: str, flags: list[str]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True, text=True,
                        timeout=120)
         os.replace(tmp, target)
     finally:
@@ -62,10 +69,21 @@ def _build(target: Path, compiler: str) -> None:
 
 
 def fp32_on_cpu(*tensors) -> bool:
-    """What every kernel here takes: float32 tensors in host memory (None entries, absent biases, pass)."""
+    """What the fp32 GEMV takes: float32 tensors in host memory (None entries, absent biases, pass)."""
     import torch
 
     return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
+
+
+def native_dtype(*tensors) -> int | None:
+    """The dtype flag the dtype-generic kernels take (0: fp32, 1: bf16) when every tensor given (None entries
+    pass) is in host memory and all share one of those dtypes; else None."""
+    import torch
+
+    dtypes = {t.dtype for t in tensors if t is not None}
+    if len(dtypes) != 1 or any(t is not None and t.device.type != "cpu" for t in tensors):
+        return None
+    return {torch.float32: 0, torch.bfloat16: 1}.get(dtypes.pop())
 
 
 @functools.cache
@@ -84,31 +102,33 @@ def native() -> ctypes.CDLL | None:
         logger.warning("no C compiler found (set CC or install gcc) to build kvscale's CPU kernels; small-batch "
                        "decoding falls back to torch's library kernels, which are slower at few rows")
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + model.encode()).hexdigest()[:16]
+    build_flags = _flags(flags)
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(build_flags).encode() + model.encode()).hexdigest()[:16]
     cache = os.environ.get("KVSCALE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvscale")  # as the default model's
     target = Path(cache) / "cpu_kernels" / f"cpu_native-{key}.so"
     try:
         if not target.exists():
             logger.info("building kvscale's CPU kernels once: %s -> %s", SOURCE.name, target)
-            _build(target, compiler)
+            _build(target, compiler, build_flags)
         lib = ctypes.CDLL(str(target))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or str(e)
         logger.warning("could not build or load kvscale's CPU kernels with %s (%s); falling back to torch's "
                        "library kernels", compiler, detail.strip()[:500])
         return None
-    lib.kvs_linear_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
-    lib.kvs_linear_f32.restype = None
-    P, L = ctypes.c_void_p, ctypes.c_long
-    lib.kvs_rms_norm_f32.argtypes = [P] * 5 + [L] * 4 + [ctypes.c_float, ctypes.c_int]
-    lib.kvs_rms_norm_f32.restype = None
-    lib.kvs_rotary_f32.argtypes = [P] * 5 + [L] * 6 + [ctypes.c_int]
-    lib.kvs_rotary_f32.restype = None
-    lib.kvs_paged_decode_f32.argtypes = [P] * 5 + [L] + [P] * 3 + [L] * 6 + [ctypes.c_float, ctypes.c_int]
-    lib.kvs_paged_decode_f32.restype = None
-    lib.kvs_write_kv_f32.argtypes = [P] * 5 + [L] * 4
-    lib.kvs_write_kv_f32.restype = None
-    lib.kvs_silu_mul_f32.argtypes = [P] * 2 + [L] * 3 + [ctypes.c_int]
-    lib.kvs_silu_mul_f32.restype = None
+    P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    signatures = {  # the trailing int of the generic kernels: bf16 flag, then threads
+        "kvs_linear_f32": [P] * 4 + [L] * 3 + [I],
+        "kvs_linear_bf16": [P] * 4 + [L] * 3 + [I],
+        "kvs_rms_norm": [P] * 5 + [L] * 4 + [ctypes.c_float, I, I],
+        "kvs_rotary": [P] * 5 + [L] * 6 + [I, I],
+        "kvs_paged_decode": [P] * 5 + [L] + [P] * 3 + [L] * 6 + [ctypes.c_float, I, I],
+        "kvs_write_kv": [P] * 5 + [L] * 4,
+        "kvs_silu_mul": [P] * 2 + [L] * 3 + [I, I],
+    }
+    for name, argtypes in signatures.items():
+        getattr(lib, name).argtypes = argtypes
+        getattr(lib, name).restype = None
+    lib.kvs_has_avx512bf16.restype = I
     return lib

@@ -20,7 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import NATIVE_MAX_ROWS, fp32_on_cpu, native
+from kernels.cpu_native import NATIVE_MAX_ROWS, NATIVE_MAX_ROWS_BF16, native, native_dtype
 
 
 def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,16 +61,18 @@ def linear_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """Our C kernel (kernels/cpu_native.c) for the bandwidth-bound few-row case; None where it does not apply."""
-    if (x.dim() != 2 or x.shape[0] > NATIVE_MAX_ROWS or not fp32_on_cpu(x, weight, bias)
+    bf = native_dtype(x, weight, bias)
+    if (x.dim() != 2 or bf is None or x.shape[0] > (NATIVE_MAX_ROWS_BF16 if bf else NATIVE_MAX_ROWS)
             or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous())):
         return None
     lib = native()
     if lib is None:
         return None
     x = x.contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    lib.kvs_linear_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
-                       x.shape[0], x.shape[1], weight.shape[0], torch.get_num_threads())
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    kernel = lib.kvs_linear_bf16 if bf else lib.kvs_linear_f32
+    kernel(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
+           x.shape[0], x.shape[1], weight.shape[0], torch.get_num_threads())
     return y
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_native import fp32_on_cpu, native
+from kernels.cpu_native import native, native_dtype
 
 
 def rms_norm_ref(
@@ -23,17 +23,18 @@ def rms_norm_ref(
 
 def rms_norm_cpu(x: torch.Tensor, weight: torch.Tensor, eps: float,
                  residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The reference's arithmetic in one pass of our C kernel (fp32, rows with a unit last stride), else the
-    reference. One call instead of eight torch ops: at batch 1 their dispatch costs more than the math."""
-    lib = native()
-    if (lib is None or not fp32_on_cpu(x, weight, residual) or x.dim() != 2 or x.stride(-1) != 1
+    """The reference's arithmetic in one pass of our C kernel (fp32 or bf16, rounding where the reference's ops
+    round; rows with a unit last stride), else the reference. One call instead of eight torch ops: at batch 1
+    their dispatch costs more than the math."""
+    lib, bf = native(), native_dtype(x, weight, residual)
+    if (lib is None or bf is None or x.dim() != 2 or x.stride(-1) != 1
             or not weight.is_contiguous()
             or (residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1))):
         return rms_norm_ref(x, weight, eps, residual)
     rows, hidden = x.shape
-    out = torch.empty(rows, hidden, dtype=torch.float32)
+    out = torch.empty(rows, hidden, dtype=x.dtype)
     res_out = torch.empty_like(out) if residual is not None else None
-    lib.kvs_rms_norm_f32(x.data_ptr(), None if residual is None else residual.data_ptr(), out.data_ptr(),
-                         None if res_out is None else res_out.data_ptr(), weight.data_ptr(), rows, hidden,
-                         x.stride(0), 0 if residual is None else residual.stride(0), eps, torch.get_num_threads())
+    lib.kvs_rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), out.data_ptr(),
+                     None if res_out is None else res_out.data_ptr(), weight.data_ptr(), rows, hidden,
+                     x.stride(0), 0 if residual is None else residual.stride(0), eps, bf, torch.get_num_threads())
     return out, res_out

@@ -11,7 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_native import fp32_on_cpu, native
+from kernels.cpu_native import native, native_dtype
 from kernels.metadata import AttentionMetadata
 
 
@@ -201,7 +201,7 @@ def paged_attention_sdpa(
     """The CPU path: the reference's semantics through torch's fused scaled_dot_product_attention, which on
     CPU runs a flash-attention kernel (no (Lq, Lk) score tensor per head in memory, GQA without repeating
     K/V). Decode rows go in groups of similar context length, so little time is spent on padding; each
-    group's blocks are gathered with one index_select. In fp32, where our C kernels build
+    group's blocks are gathered with one index_select. In fp32 and bf16, where our C kernels build
     (kernels/cpu_native.py), decode rows instead go to a paged decode kernel that reads K/V in place.
     Checked against paged_attention_ref in tests."""
     num_tokens, num_heads, head_dim = q.shape
@@ -215,16 +215,16 @@ def paged_attention_sdpa(
         torch.index_select(cache, 0, ids, out=buf)
         return buf.view(rows, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
-    lib = native()
-    native_decode = (lib is not None and fp32_on_cpu(q, k_cache, v_cache) and meta.block_tables.device.type == "cpu"
+    lib, bf = native(), native_dtype(q, k_cache, v_cache)
+    native_decode = (lib is not None and bf is not None and meta.block_tables.device.type == "cpu"
                      and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
     for step in _sdpa_plan(meta, block_size, sliding_window, q.device, native_decode):
         if isinstance(step, NativeDecode):
             tables, rows, tokens, ctx = step
-            lib.kvs_paged_decode_f32(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                                     tables.data_ptr(), tables.stride(0), rows.data_ptr(), tokens.data_ptr(),
-                                     ctx.data_ptr(), len(rows), num_heads, num_kv_heads, head_dim, block_size,
-                                     sliding_window or 0, scale, torch.get_num_threads())
+            lib.kvs_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                                 tables.data_ptr(), tables.stride(0), rows.data_ptr(), tokens.data_ptr(),
+                                 ctx.data_ptr(), len(rows), num_heads, num_kv_heads, head_dim, block_size,
+                                 sliding_window or 0, scale, bf, torch.get_num_threads())
         elif isinstance(step, DecodeGroup):
             token_idx, ids, nb, mask = step
             rows = len(token_idx)

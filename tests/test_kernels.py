@@ -264,41 +264,48 @@ def cpu_kernels(request, monkeypatch):
     return request.param
 
 
+NATIVE_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7])
-@pytest.mark.parametrize("in_features,out_features", [(96, 200), (50, 37), (576, 1536)])
-def test_cpu_linear_native_rows(cpu_kernels, rows, in_features, out_features):
-    """Up to NATIVE_MAX_ROWS (5) rows go to the C GEMV, 6 and 7 to oneDNN (tails: inputs not a multiple of 32 or 8,
-    outputs of any count)."""
+@pytest.mark.parametrize("in_features,out_features", [(96, 200), (50, 37), (576, 1536), (1536, 64)])
+def test_cpu_linear_native_rows(cpu_kernels, rows, in_features, out_features, dtype):
+    """Up to NATIVE_MAX_ROWS(_BF16) rows go to the C GEMV, more to oneDNN (tails: inputs not a multiple of 128, 32
+    or 8, outputs of any count); bf16 through vdpbf16ps where the CPU has AVX512-BF16. In bf16 both sides sum
+    exact products in fp32 and round once, so they differ by at most one bf16 step."""
     from kernels.linear import linear_cpu
 
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, in_features, generator=g)
-    w = torch.randn(out_features, in_features, generator=g)
-    b = torch.randn(out_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    w = torch.randn(out_features, in_features, generator=g).to(dtype)
+    b = torch.randn(out_features, generator=g).to(dtype)
     for bias in (None, b):
-        torch.testing.assert_close(linear_cpu(x, w, bias), torch.nn.functional.linear(x, w, bias),
-                                   atol=1e-4, rtol=1e-4)
-    strided = torch.randn(rows, 2 * in_features, generator=g)[:, ::2]  # not contiguous: copied first
-    torch.testing.assert_close(linear_cpu(strided, w), torch.nn.functional.linear(strided, w), atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(linear_cpu(x, w, bias), torch.nn.functional.linear(x, w, bias), **NATIVE_TOL[dtype])
+    strided = torch.randn(rows, 2 * in_features, generator=g).to(dtype)[:, ::2]  # not contiguous: copied first
+    torch.testing.assert_close(linear_cpu(strided, w), torch.nn.functional.linear(strided, w), **NATIVE_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64])
-def test_cpu_rms_norm_and_rotary(cpu_kernels, rows):
+def test_cpu_rms_norm_and_rotary(cpu_kernels, rows, dtype):
     """RMSNorm (alone and with the residual add) on a strided view, and rotary read in place from a fused
-    qkv row: the reference's arithmetic, rotary to the bit."""
+    qkv row: the reference's arithmetic, rounded to bf16 where its ops round; the residual sum and rotary to
+    the bit, the norm within one bf16 step (its fp32 statistics are summed in another order)."""
     from kernels.norm import rms_norm_cpu
     from kernels.rotary import rotary_cpu
 
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 2 * 576, generator=g)[:, :576]
-    res, w = torch.randn(rows, 576, generator=g), torch.randn(576, generator=g)
+    x = torch.randn(rows, 2 * 580, generator=g).to(dtype)[:, :580]  # hidden not a multiple of 8: vector tails
+    res, w = torch.randn(rows, 580, generator=g).to(dtype), torch.randn(580, generator=g).to(dtype)
     for residual in (None, res):
         got, want = rms_norm_cpu(x, w, 1e-5, residual), rms_norm_ref(x, w, 1e-5, residual)
-        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5)
+        assert got[0].dtype == dtype
+        torch.testing.assert_close(got[0], want[0], **({torch.float32: dict(atol=1e-5, rtol=1e-5)} | NATIVE_TOL)[dtype])
         if residual is not None:
             assert torch.equal(got[1], want[1])
     heads, kv_heads, head_dim = 9, 3, 64
-    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
     q = qkv[:, : heads * head_dim].view(rows, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(rows, kv_heads, head_dim)
     pos = torch.randint(0, 100, (rows,), generator=g)
@@ -307,18 +314,19 @@ def test_cpu_rms_norm_and_rotary(cpu_kernels, rows):
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 5, 64])
-def test_cpu_write_kv_and_silu_mul(cpu_kernels, rows):
+def test_cpu_write_kv_and_silu_mul(cpu_kernels, rows, dtype):
     """The KV write from a strided V (a view of the fused qkv output), padding slots skipped; SwiGLU's gate
     on the fused gate|up output, including odd widths (vector tails) and large |x| (exp's range)."""
     from kernels.activation import silu_mul_cpu, silu_mul_ref
     from kernels.kv_cache import write_kv_cpu
 
     g = torch.Generator().manual_seed(rows)
-    k_ref = torch.randn(8, 16, 3, 64, generator=g)
-    v_ref = torch.randn(8, 16, 3, 64, generator=g)
+    k_ref = torch.randn(8, 16, 3, 64, generator=g).to(dtype)
+    v_ref = torch.randn(8, 16, 3, 64, generator=g).to(dtype)
     k_got, v_got = k_ref.clone(), v_ref.clone()
-    kv = torch.randn(rows, 2 * 3 * 64 + 5, generator=g)
+    kv = torch.randn(rows, 2 * 3 * 64 + 5, generator=g).to(dtype)
     key, value = kv[:, :192].view(rows, 3, 64), kv[:, 192:384].view(rows, 3, 64)
     slots = torch.randperm(8 * 16, generator=g)[:rows]
     slots[::2] = -1
@@ -326,22 +334,27 @@ def test_cpu_write_kv_and_silu_mul(cpu_kernels, rows):
     write_kv_cpu(key, value, k_got, v_got, slots)
     assert torch.equal(k_got, k_ref) and torch.equal(v_got, v_ref)
     for inter in (1536, 13):
-        gate_up = torch.randn(rows, 2 * inter + 3, generator=g)[:, : 2 * inter] * 30
-        torch.testing.assert_close(silu_mul_cpu(gate_up), silu_mul_ref(gate_up), atol=1e-5, rtol=1e-5)
+        gate_up = (torch.randn(rows, 2 * inter + 3, generator=g) * 30).to(dtype)[:, : 2 * inter]
+        got = silu_mul_cpu(gate_up)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, silu_mul_ref(gate_up), **({torch.float32: dict(atol=1e-5, rtol=1e-5)}
+                                                                  | NATIVE_TOL)[dtype])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("head_dim", [64, 80, 128])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (9, 3)])
 @pytest.mark.parametrize("window", [None, 5, 100])
-def test_cpu_decode_attention_reads_pages_in_place(cpu_kernels, head_dim, heads, kv_heads, window):
-    """The C decode kernel (fp32) against the reference: ragged contexts of 1 to 300 keys (softmax tails not
-    a multiple of 8), a block boundary, a head_dim that is not a multiple of 16, windows, GQA 1/3/4."""
+def test_cpu_decode_attention_reads_pages_in_place(cpu_kernels, head_dim, heads, kv_heads, window, dtype):
+    """The C decode kernel (fp32 and bf16 pages) against the reference: ragged contexts of 1 to 300 keys
+    (softmax tails not a multiple of 8), a block boundary, a head_dim that is not a multiple of 16 (80) or of 8
+    (the scalar path), windows, GQA 1/3/4."""
     seq_lens = [1, 7, 16, 17, 300, 129]
-    q, kc, vc, meta = make_batch([1] * len(seq_lens), seq_lens, 16, 64, heads, kv_heads, head_dim, torch.float32)
+    q, kc, vc, meta = make_batch([1] * len(seq_lens), seq_lens, 16, 64, heads, kv_heads, head_dim, dtype)
     scale = head_dim**-0.5
     got = paged_attention_sdpa(q, kc, vc, meta, scale, sliding_window=window)
     torch.testing.assert_close(got, paged_attention_ref(q, kc, vc, meta, scale, sliding_window=window),
-                               **SDPA_TOL[torch.float32])
+                               **SDPA_TOL[dtype])
 
 
 # ---------------------------------------------------------------------------------------------- the rest
@@ -417,13 +430,17 @@ def test_select_ops_is_the_one_switch():
         select_ops("torch", "cpu")
 
 
-def test_cpu_ops_are_bound_once_for_the_dtype():
-    """In bf16 (the default dtype on CPUs with native bf16) the fp32-only C kernels would only check and fall
-    back on every call: the backend binds the library ops directly instead."""
+def test_cpu_ops_are_bound_once_for_the_dtype(monkeypatch):
+    """fp32 and bf16 (the default dtype on CPUs with native bf16) bind our C kernels where they build; other
+    dtypes, or no C kernels, bind the library ops directly rather than checking and falling back every call."""
+    import kernels
     from kernels.norm import rms_norm_cpu
 
-    bf16 = select_ops("cpu", "cpu", torch.bfloat16)
-    assert bf16.rms_norm is rms_norm_ref and bf16.rotary is rotary_ref and bf16.write_kv is write_kv_ref
-    assert bf16.paged_attention is paged_attention_sdpa and "no C kernels for torch.bfloat16" in bf16.description
-    fp32 = select_ops("cpu", "cpu", torch.float32)
-    assert (fp32.rms_norm is rms_norm_cpu) == _native_expected()
+    for dtype in (torch.float32, torch.bfloat16):
+        ops = select_ops("cpu", "cpu", dtype)
+        assert (ops.rms_norm is rms_norm_cpu) == _native_expected() and ops.paged_attention is paged_attention_sdpa
+    half = select_ops("cpu", "cpu", torch.float16)
+    assert half.rms_norm is rms_norm_ref and half.rotary is rotary_ref and half.write_kv is write_kv_ref
+    assert "no C kernels for torch.float16" in half.description
+    monkeypatch.setattr(kernels, "native", lambda: None)
+    assert select_ops("cpu", "cpu", torch.bfloat16).rms_norm is rms_norm_ref
