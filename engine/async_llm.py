@@ -66,10 +66,12 @@ class AsyncLLM:
         if not self._thread.is_alive():
             raise RuntimeError("the engine loop thread is not running (the engine was shut down)")
 
-    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
+                       min_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
         """Raises ValueError (before yielding) when the request is invalid or its id is already in use;
-        RuntimeError if the engine failed it or cannot serve."""
+        RuntimeError if the engine failed it or cannot serve. min_interval_s: after an output, wait at least this
+        long before the next, merging what the engine produced meanwhile into it (fewer, larger messages for
+        a serving path that pays per message; the first output is never held)."""
         self.check_health()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use by a running request; use a unique id")
@@ -78,9 +80,11 @@ class AsyncLLM:
         self._streams[request_id] = (loop, stream)
         self._commands.put(("add", request_id, prompt, params))
         delta = params.output_kind is RequestOutputKind.DELTA
-        finished = False
+        finished, last = False, None
         try:
             while True:
+                if min_interval_s and last is not None and (wait := last + min_interval_s - loop.time()) > 0:
+                    await asyncio.sleep(wait)
                 item = await stream.get()
                 while not isinstance(item, BaseException) and not stream.empty():
                     newer = stream.get_nowait()  # a slow reader gets one item, not a backlog
@@ -91,6 +95,7 @@ class AsyncLLM:
                     raise RuntimeError(item.error)
                 finished = item.finished
                 yield item
+                last = loop.time()
                 if finished:
                     return
         finally:

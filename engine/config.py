@@ -28,6 +28,9 @@ class EngineConfig:
     attention_backend: str = "auto"  # "auto" | "reference" (plain torch) | "cpu" (C kernels + oneDNN + SDPA) | "triton"
     enforce_eager: bool = False  # CUDA: run decode steps eagerly, no CUDA graphs (CPU steps are always eager)
     show_progress: bool = True  # progress bar while loading weights
+    # benchmarks only (bench/stream_capacity.py): each step sleeps this long instead of running the model and
+    # samples a fixed token, so the scheduler, block manager, detokenizer and serving path carry a known load
+    fake_step_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -44,6 +47,8 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1; got {self.max_num_batched_tokens}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 or None; got {self.max_model_len}")
+        if self.fake_step_s is not None and self.fake_step_s < 0:
+            raise ValueError(f"fake_step_s must be >= 0 or None; got {self.fake_step_s}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be positive or None; got {self.kv_cache_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

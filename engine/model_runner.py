@@ -7,6 +7,7 @@ tables), and samples the sequences that reached the end of their known tokens.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
@@ -69,6 +70,8 @@ class ModelRunner:
         self.num_layers, self.num_kv_heads, self.head_dim = spec.num_layers, spec.num_kv_heads, spec.head_dim
 
         self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
+        # what a fake step (config.fake_step_s) samples: an ordinary token, never an end of sequence
+        self.fake_token = next(t for t in range(100, self.vocab_size) if t not in eos_token_ids)
         self.attention_scratch: dict = {}  # reused gather buffers of the CPU attention (AttentionMetadata.scratch)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_budget()
         # (layers, K/V, blocks, block_size, kv_heads, head_dim): the one large allocation besides weights
@@ -176,6 +179,9 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> SamplerOutput | None:
         """Run one step. Returns what the rows of batch.sample_rows() sampled, in that order (None: none did)."""
         input_ids, positions, meta, sample_rows, logits_idx = self.prepare(batch)
+        if self.config.fake_step_s is not None:  # benchmarks of the serving path: a step of known cost
+            time.sleep(self.config.fake_step_s)
+            return SamplerOutput([self.fake_token] * len(sample_rows), None) if sample_rows else None
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)
         else:

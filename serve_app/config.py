@@ -28,7 +28,14 @@ class ServeConfig(BaseModel):
         "there. They may also be given flat, beside the fields below, as serve_app/config.yaml does."))
     served_model_name: str | None = Field(None, description="Name clients send as `model`; default: the folder "
                                                             "name, or SmolLM2-135M-Instruct for the default.")
-    torch_threads: int | None = Field(None, description="CPU threads for torch in each replica; None: torch default.")
+    stream_interval_s: float = Field(0.05, ge=0.0, description="Each stream's tokens leave the engine replica at most "
+                                                                "this often, those of the steps between merged into "
+                                                                "one message (the first token is never held): fewer "
+                                                                "messages through Ray at high token rates. 0: every "
+                                                                "step's tokens as their own message.")
+    torch_threads: int | None = Field(None, description="CPU threads for torch (and our C kernels) in each replica; "
+                                                        "None: every core the replica's process may run on (Ray "
+                                                        "would otherwise cap it at the replica's num_cpus).")
 
     # ---- API ----
     api_key: str | None = Field(None, description="If set, every /v1 route needs `Authorization: Bearer <key>`.")

@@ -8,6 +8,7 @@ snapshot (for /metrics, Ray Serve's autoscaler and the router) and `check_health
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -35,10 +36,13 @@ logger = logging.getLogger("ray.serve")
 class EngineServer:
     def __init__(self, config: ServeConfig | dict) -> None:
         self.config = config if isinstance(config, ServeConfig) else ServeConfig(**config)
-        if self.config.torch_threads:
+        # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1 by default), which would leave a CPU engine on one
+        # core; the engine is the replica's work, so it gets the cores unless the config says otherwise.
+        threads = self.config.torch_threads or (len(os.sched_getaffinity(0)) if self.config.engine_num_gpus == 0 else 0)
+        if threads:
             import torch
 
-            torch.set_num_threads(self.config.torch_threads)
+            torch.set_num_threads(threads)
         self.llm = AsyncLLM(self.config.to_engine_config())
         self.tokenizer = self.llm.get_tokenizer()
         self.replica_id, self.app_name = replica_identity()
@@ -90,7 +94,7 @@ class EngineServer:
         last, first_seen = start, False
         self._num_unstarted += 1
         try:
-            async for out in self.llm.generate(prompt, params, request_id):
+            async for out in self.llm.generate(prompt, params, request_id, self.config.stream_interval_s):
                 now = time.monotonic()
                 n_new = sum(len(c.token_ids) for c in out.outputs)
                 if n_new and not first_seen:

@@ -125,3 +125,28 @@ def test_serve_app_uses_only_the_public_surface_of_the_engine():
                     a.name == "LLMEngine" for a in node.names):
                 offences.append(f"{path.name}:{node.lineno} imports LLMEngine")
     assert not offences, offences
+
+
+def test_min_interval_merges_steps_into_fewer_outputs_and_never_holds_the_first(make_tiny_model):
+    """The serving path's stream_interval_s: outputs at most every interval, each carrying every token produced
+    since the last (DELTA: nothing lost, nothing repeated), the first sent as soon as it exists."""
+    llm = AsyncLLM(model=make_tiny_model("llama"), dtype="float32", device="cpu", num_kv_blocks=40,
+                   max_model_len=256, show_progress=False, fake_step_s=0.005)
+
+    async def run(interval: float):
+        params = SamplingParams(max_tokens=60, output_kind=RequestOutputKind.DELTA)
+        start, outs = time.monotonic(), []
+        async for out in llm.generate([5, 6, 7], params, f"r{interval}", min_interval_s=interval):
+            outs.append((time.monotonic() - start, out.outputs[0].token_ids))
+        return outs
+
+    try:
+        every = asyncio.run(run(0.0))
+        merged = asyncio.run(run(0.1))
+    finally:
+        llm.shutdown()
+    assert sum(len(t) for _, t in every) == sum(len(t) for _, t in merged) == 60
+    assert len(merged[0][1]) == 1 and merged[0][0] < 0.1  # the first token alone, at once
+    assert len(merged) <= 60 * 0.005 / 0.1 + 3 < len(every)  # ~0.3 s of steps in ~0.1 s messages
+    gaps = [b - a for (a, _), (b, _) in zip(merged, merged[1:])]
+    assert min(gaps) >= 0.1 - 0.01

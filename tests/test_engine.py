@@ -262,3 +262,18 @@ def test_warmup_step_is_the_largest_the_scheduler_can_form_and_runs_the_whole_mo
     assert torch.equal(runner.kv_cache, pool_before) and runner.kv_caches[0][0].data_ptr() == runner.kv_cache.data_ptr()
     batch, _ = warmup_batch(max_num_seqs=256, max_num_batched_tokens=2048, block_size=16)
     assert batch.num_tokens == 2048 and len(batch.seqs) == 256
+
+
+def test_fake_steps_run_the_real_scheduler_and_free_everything(make_tiny_model):
+    """bench/stream_capacity.py's mode: no model forward, a step of known cost, everything else real (lengths,
+    stops by length, KV blocks allocated as tokens grow and all returned)."""
+    llm = LLM(model=make_tiny_model("llama"), dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=256,
+              show_progress=False, fake_step_s=0.0)
+    lens = [1, 7, 40]
+    outs = llm.generate(prompts(3), [SamplingParams(max_tokens=n) for n in lens])
+    assert [len(o.outputs[0].token_ids) for o in outs] == lens
+    assert {t for o in outs for t in o.outputs[0].token_ids} == {llm.engine.runner.fake_token}
+    assert all(o.outputs[0].finish_reason == "length" for o in outs)
+    assert_all_free(llm)
+    with pytest.raises(ValueError, match="fake_step_s"):
+        LLM(model="default", fake_step_s=-1)
