@@ -31,6 +31,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
+from bench.serve import one_request  # noqa: E402
+
+PROMPT = [100] * 8  # token ids: every stream the same short prompt
+
 
 def engine_kwargs(args) -> dict:
     return dict(model="default", fake_step_s=args.step_ms / 1000, max_num_seqs=max(256, args.streams),
@@ -53,37 +57,17 @@ def offline(args) -> dict:
     return {"tok_s": tokens / wall, "tpot_s": wall / args.tokens, "steps": steps}
 
 
-async def one_stream(client, url, model, tokens, out: list) -> None:
-    body = {"model": model, "prompt": [100] * 8, "max_tokens": tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "stream_options": {"include_usage": True}}
-    sent = time.perf_counter()
-    times, got = [], 0
-    async with client.stream("POST", f"{url}/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            out.append({"ok": False, "status": r.status_code})
-            return
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                got = event["usage"]["completion_tokens"]
-            elif event.get("choices"):
-                times.append(time.perf_counter())
-    out.append({"ok": got == tokens, "sent": sent, "times": times, "tokens": got})
-
-
 async def load(url: str, streams: int, tokens: int) -> dict:
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=streams + 8)) as client:
         model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-        await asyncio.gather(*(one_stream(client, url, model, 8, []) for _ in range(4)))  # warm-up
+        await asyncio.gather(*(one_request(client, url, model, PROMPT, 8, 0, [], False) for _ in range(4)))  # warm-up
         out: list[dict] = []
         cpu0 = resource.getrusage(resource.RUSAGE_SELF)
         start = time.perf_counter()
-        await asyncio.gather(*(one_stream(client, url, model, tokens, out) for _ in range(streams)))
+        await asyncio.gather(*(one_request(client, url, model, PROMPT, tokens, 0, out, False) for _ in range(streams)))
         wall = time.perf_counter() - start
         cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    ok = [r for r in out if r["ok"]]
+    ok = [r for r in out if r["ok"] and r["tokens"] == tokens]
     tokens_total = sum(r["tokens"] for r in ok)
     events = sum(len(r["times"]) for r in ok)
     tpot = [(r["times"][-1] - r["times"][0]) / (r["tokens"] - 1) for r in ok if r["tokens"] > 1 and len(r["times"]) > 1]

@@ -68,13 +68,6 @@ def _build(target: Path, compiler: str, flags: list[str]) -> None:
             os.unlink(tmp)
 
 
-def fp32_on_cpu(*tensors) -> bool:
-    """What the fp32 GEMV takes: float32 tensors in host memory (None entries, absent biases, pass)."""
-    import torch
-
-    return all(t is None or (t.dtype == torch.float32 and t.device.type == "cpu") for t in tensors)
-
-
 def native_dtype(*tensors) -> int | None:
     """The dtype flag the dtype-generic kernels take (0: fp32, 1: bf16) when every tensor given (None entries
     pass) is in host memory and all share one of those dtypes; else None."""
