@@ -1,6 +1,7 @@
 """KV-aware autoscaling on a real local Ray cluster, through HTTP.
 
-One deployment of the default model with a small KV pool per replica (96 blocks of 16 tokens). Two
+One deployment of the default model with a small KV pool per replica (96 blocks of 16 tokens), whose engine
+steps cost a fixed time (`fake_step_s`), so the phases last as long on any CPU. Two
 clients at a time throughout, which is Ray's default target of ongoing requests per replica, so the
 request-count policy would keep one replica in every phase below:
 
@@ -29,6 +30,7 @@ from helpers import free_port, wait_until_serving
 pytestmark = pytest.mark.slow
 
 BLOCKS, BLOCK = 96, 16
+STEP_S = 0.06  # seconds per engine step in the scaling test: 600 decode steps outlast the 15 s quiet period
 
 
 @pytest.fixture(scope="module")
@@ -175,9 +177,13 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
     serve.run(build_app({"model": "default", "num_kv_blocks": BLOCKS, "block_size": BLOCK, "max_model_len": 1024,
                          "torch_threads": 1, "max_num_seqs": 8, "num_replicas": None, "min_replicas": 1,
                          "max_replicas": 2, "kv_target_utilization": 0.9, "downscale_quiet_s": 15,
-                         # A replica being removed gets this long to finish its stream. On CI's 2 cores one
-                         # replica decodes ~5 tok/s at 1 thread, so the 400-token stream needs ~80 s; 120 s
-                         # was cut once. The test is about draining, not about the deadline.
+                         # Every engine step costs STEP_S (the real scheduler, block manager and KV accounting
+                         # run; the model's forward is a sleep). The phases below are timed against the
+                         # autoscaler's quiet period, so their length must not follow this CPU's decode
+                         # speed: the test broke once when the bf16 kernels made the model 3x faster.
+                         "fake_step_s": STEP_S,
+                         # A replica being removed gets this long to finish its stream; the test is about
+                         # draining, not about the deadline.
                          "graceful_shutdown_timeout_s": 400}),
               name="kv", route_prefix="/kv", blocking=False)
     wait_until_serving([f"{cluster}/kv/v1/models"], 300, "the autoscaling app")
@@ -216,29 +222,34 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
         assert len(short) >= 6
         assert max(watch.between(t0, t1)) == 1, "short requests must not scale the deployment up"
 
-        # 2. Long prompts, two at a time, in rounds: 700 + 100 tokens = 50 blocks each, two do not fit in 96.
+        # 2. Long prompts, two at a time, in rounds: 700 + 100 tokens = 50 blocks each, two do not fit in 96,
+        #    so the second waits for blocks. Rounds go on until the second replica is up (it loads the model
+        #    on a busy 2-core machine, which takes a while) or for at most 10 rounds (~2 min).
         long_results = []
-        for _ in range(3):
+        for _ in range(10):
             long_results += asyncio.run(phase([([random_prompt(rng, 700)], 100) for _ in range(concurrency)]))
+            if max(watch.between(t1, time.time())) == 2:
+                break
         t2 = time.time()
         assert_whole(long_results, 100)
         assert peak <= concurrency
         assert max(watch.between(t1, t2)) == 2, "long prompts at the same request count must scale up"
 
-        # 3. Two long, low-KV streams (16 + 400 tokens = 26 blocks each: both fit one replica under target),
-        #    each outlasting the quiet period, so the step down comes while both are in flight.
+        # 3. Two long, low-KV streams (16 + 600 tokens = 39 blocks each: both fit one replica under target),
+        #    each outlasting the quiet period (600 steps of STEP_S), so the step down comes while both are in
+        #    flight.
         async def drain_phase():
             async with httpx.AsyncClient(timeout=600) as c:
-                first = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 16), 400))
+                first = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 16), 600))
                 await asyncio.sleep(1.5)  # routing stats refresh: the second goes to the emptier replica
-                second = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 16), 400))
+                second = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 16), 600))
                 await asyncio.sleep(2.5)
                 running = await running_per_replica(c, f"{cluster}/kv/metrics")
                 results = [await first, await second]
                 return results, running, time.time()
 
         drained, running, drain_end = asyncio.run(drain_phase())
-        assert_whole(drained, 400)
+        assert_whole(drained, 600)
         assert running == [1, 1], f"the router should put the two streams on different replicas: {running}"
         _wait_until(lambda: _running_replicas("kv") == 1 or None, 60, "the scale-down to one replica")
         t3 = time.time()
