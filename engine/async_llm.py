@@ -39,6 +39,7 @@ class AsyncLLM:
         self._engine = engine  # touched by the engine thread only, from here on
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
+        self.generation_defaults = dict(engine.generation_defaults)
         self._stats = engine.stats()
         self._dead: str | None = None  # why the engine loop died
         self._commands: queue.Queue = queue.Queue()

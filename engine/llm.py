@@ -77,8 +77,11 @@ class LLM:
         return self.generate(prompts, sampling_params)
 
 
-def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+def apply_chat_template(tokenizer: Any, messages: list[dict], add_generation_prompt: bool = True,
+                        tools: list[dict] | None = None, **template_kwargs: Any) -> list[int]:
+    """Token ids of the rendered chat. tools and template_kwargs (e.g. enable_thinking) go to the template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         tools=tools, **template_kwargs)
     return tokenizer.encode(text, add_special_tokens=False)

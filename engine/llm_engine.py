@@ -20,6 +20,7 @@ from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
+from engine.structured_output import StructuredOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,10 @@ class LLMEngine:
         self.hf_config = load_hf_config(self.model_path)
         self.tokenizer = load_tokenizer(self.model_path)
         self.eos_token_ids = self._eos_token_ids()
+        self.generation_defaults = load_generation_defaults(self.model_path)
         self.runner = ModelRunner(config, self.model_path, self.hf_config, self.eos_token_ids)
+        self.structured_outputs = StructuredOutputs(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
+        self.runner.sampler.structured = self.structured_outputs
 
         pool_tokens = self.runner.num_kv_blocks * config.block_size
         max_positions = self.hf_config.max_position_embeddings
@@ -143,6 +147,11 @@ class LLMEngine:
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}); got "
                              f"{[t for t in params.stop_token_ids if t >= vocab][:5]}")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias keys must be token ids in [0, {vocab}); got "
+                             f"{[t for t in params.logit_bias if t >= vocab][:5]}")
+        grammar = (self.structured_outputs.compile(params.structured_outputs)
+                   if params.structured_outputs is not None else None)
         text, token_ids = self.tokenize(prompt)
         if not token_ids:
             raise ValueError("the prompt is empty: it needs at least one token")
@@ -162,6 +171,9 @@ class LLMEngine:
         seqs = [Sequence(request_id, j, list(token_ids), params) for j in range(params.n)]
         for seq in seqs[1:]:
             seq.parent = seqs[0]  # samples 2..n share sample 1's computed prompt blocks
+        if grammar is not None:
+            for seq in seqs:
+                self.structured_outputs.add(seq.seq_id, grammar)
         self.output_processor.add(RequestState(request_id, text, list(token_ids), params, seqs))
         for seq in seqs:
             self.scheduler.add(seq)
@@ -201,7 +213,7 @@ class LLMEngine:
         outputs = self.output_processor.process(seqs, sampled.logprobs if sampled is not None else None)
         for seq in seqs:
             if seq.is_finished:
-                self.runner.sampler.forget(seq.seq_id)
+                self._forget(seq.seq_id)
         self.num_steps_total += 1
         self.last_step_seconds = time.perf_counter() - start
         self.step_seconds_total += self.last_step_seconds
@@ -211,7 +223,12 @@ class LLMEngine:
     def _end(self, state: RequestState, reason: str) -> None:
         for seq in state.seqs:
             self.scheduler.finish(seq, reason)  # a no-op for samples that already ended
-            self.runner.sampler.forget(seq.seq_id)
+            self._forget(seq.seq_id)
+
+    def _forget(self, seq_id: str) -> None:
+        """Drop what the sampler and the grammars keep for an ended sample."""
+        self.runner.sampler.forget(seq_id)
+        self.structured_outputs.forget(seq_id)
 
     def _fail_batch(self, batch: ScheduledBatch, error: Exception) -> list[RequestOutput]:
         return self.fail_requests(dict.fromkeys(s.request_id for s in batch.seqs),
@@ -237,6 +254,27 @@ class LLMEngine:
             self.scheduler, num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_steps_total=self.num_steps_total, step_seconds_total=self.step_seconds_total,
             last_step_seconds=self.last_step_seconds, last_step_num_tokens=self.last_step_num_tokens)
+
+
+GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def load_generation_defaults(model_path: str) -> dict[str, float]:
+    """The sampling settings the model's generation_config.json recommends (only those it sets), which servers
+    apply to requests that leave them out (vLLM's `--generation-config auto`)."""
+    import json
+    import os
+
+    path = os.path.join(model_path, "generation_config.json")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    if raw.get("do_sample") is False:  # greedy by the model's own config: sampling settings do not apply
+        return {"temperature": 0.0}
+    return {k: raw[k] for k in GENERATION_DEFAULT_FIELDS if isinstance(raw.get(k), (int, float))
+            and not isinstance(raw.get(k), bool)}
 
 
 def _with_max_tokens(params: SamplingParams, max_tokens: int) -> SamplingParams:

@@ -90,7 +90,7 @@ class OutputProcessor:
         if hit is None:
             return
         seq.stop_reason = hit[0]
-        seq.output_text = seq.output_text[: hit[1]]
+        seq.output_text = seq.output_text[: hit[1] + (len(hit[0]) if p.include_stop_str_in_output else 0)]
         if seq.is_finished:
             seq.finish_reason = "stop"
         else:

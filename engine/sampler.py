@@ -1,6 +1,8 @@
 """Sampler: next tokens for a batch of sequences, one batched tensor op per rule.
 
-Order (vLLM's): min_tokens mask -> penalties -> temperature -> top-k -> top-p -> min-p -> sample.
+Order (vLLM's): grammar mask -> min_tokens mask -> logit bias -> penalties -> temperature -> top-k -> top-p
+-> min-p -> sample. The grammar mask (engine.structured_output) touches only the rows of constrained
+sequences, and the tokens they sample are handed back to their grammars.
 Sampling draws exponential noise and takes argmax(p / noise), which samples from p exactly. A request
 with a seed draws its noise from its own generator, so its tokens do not depend on what else is batched.
 """
@@ -11,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.sequence import Sequence
+from engine.structured_output import StructuredOutputs
 
 
 @dataclass
@@ -33,8 +36,10 @@ def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int, device: torch.device) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int, device: torch.device,
+                 structured: StructuredOutputs | None = None) -> None:
         self.vocab_size = vocab_size
+        self.structured = structured  # the engine's grammars (it owns them); None: no constrained requests
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -57,7 +62,14 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
+        seq_ids = [s.seq_id for s in seqs]
+        constrained = self.structured is not None and self.structured.num_live > 0
+        if constrained:
+            logits = logits.contiguous()
+            self.structured.mask(logits, seq_ids)
         logits = self._mask_early_stop(logits, seqs)
+        if any(p.logit_bias for p in params):
+            logits = self._apply_logit_bias(logits, seqs)
         if any(p.has_penalties for p in params):
             logits = self._apply_penalties(logits, seqs)
 
@@ -67,19 +79,36 @@ class Sampler:
         else:
             token_ids = self._sample(logits, seqs, greedy)
         token_list = token_ids.tolist()
+        if constrained:
+            for seq_id, token in zip(seq_ids, token_list):
+                self.structured.accept(seq_id, token)
         lp = self._gather_logprobs(raw_logprobs, token_ids, params) if raw_logprobs is not None else None
         return SamplerOutput(token_list, lp)
 
     def _mask_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows, cols = [], []
         for i, s in enumerate(seqs):
-            if s.num_output_tokens < s.params.min_tokens:
+            # a grammar decides itself where the output may end
+            if s.num_output_tokens < s.params.min_tokens and s.params.structured_outputs is None:
                 banned = list(s.params.stop_token_ids) + ([] if s.params.ignore_eos else self.eos_token_ids)
                 rows += [i] * len(banned)
                 cols += banned
         if rows:
             logits = logits.clone()
             logits[torch.tensor(rows), torch.tensor(cols)] = float("-inf")
+        return logits
+
+    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        rows, cols, vals = [], [], []
+        for i, s in enumerate(seqs):
+            for token, bias in (s.params.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(token)
+                vals.append(float(bias))
+        logits = logits.clone()
+        dev = logits.device
+        logits.index_put_((torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(vals, device=dev, dtype=logits.dtype), accumulate=True)
         return logits
 
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

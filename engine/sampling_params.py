@@ -5,6 +5,8 @@ import enum
 import math
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutputsParams
+
 MAX_N = 1024  # a hard ceiling; servers set their own, lower one (ServeConfig.max_n)
 
 
@@ -34,6 +36,11 @@ class SamplingParams:
     seed: int | None = None
     logprobs: int | None = None  # top-k logprobs for each sampled token (plus the sampled one)
     skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False  # keep the stop string that ended the output in its text
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling, in [-100, 100]
+    # a grammar the output must follow (JSON schema, any JSON object, regex, EBNF or a choice); a dict is
+    # taken as StructuredOutputsParams' fields
+    structured_outputs: StructuredOutputsParams | dict | None = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     _stop_list: list[str] = field(init=False, repr=False, default_factory=list)
 
@@ -48,6 +55,18 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as e:
+                raise ValueError(f"structured_outputs: {e}") from None
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a map of token id to bias; got {self.logit_bias!r}")
+            try:
+                self.logit_bias = {int(t): b for t, b in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise ValueError("logit_bias keys must be token ids (integers)") from None
         self._validate()
 
     def _validate(self) -> None:
@@ -97,7 +116,17 @@ class SamplingParams:
             raise bad("logprobs", "an integer in [0, 20] or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise bad("output_kind", "a RequestOutputKind")
-        for name in ("ignore_eos", "skip_special_tokens"):
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams, a dict of its fields, or None")
+        if self.structured_outputs is not None and self.ignore_eos:
+            raise ValueError("ignore_eos cannot be combined with structured_outputs: the output ends where the "
+                             "grammar is complete")
+        for t, b in (self.logit_bias or {}).items():
+            if t < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids; got {t}")
+            if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100]; got {b!r} for token {t}")
+        for name in ("ignore_eos", "skip_special_tokens", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "true or false")
 

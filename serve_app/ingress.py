@@ -23,10 +23,12 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import ValidationError
 from ray.serve.exceptions import BackPressureError
 
+from serve_app.chat_output import ChatOutputParser, tool_constraint
 from serve_app.config import ServeConfig
 from serve_app.messages import ChoiceDelta, ErrorMessage, GenerateRequest, OutputDelta, TokenLogprob
-from serve_app.metrics import get_board, render, replica_identity
-from serve_app.protocol import APIError, ChatCompletionRequest, CompletionRequest, ErrorResponse
+from serve_app.metrics import ALIVE_WITHIN_S, STALE_AFTER_S, get_board, render, replica_identity
+from serve_app.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
+                                NamedToolChoice, TokenizeRequest)
 
 logger = logging.getLogger("ray.serve")
 
@@ -52,7 +54,7 @@ def _openapi() -> dict[str, Any]:
         schema = get_openapi(title=fastapi_app.title, version="0.1.0", description=fastapi_app.description,
                              routes=fastapi_app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest):
+        for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
             components[model.__name__] = js
@@ -93,6 +95,10 @@ def _from_validation(errors: list[dict[str, Any]]) -> APIError:
     first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
     loc = [str(p) for p in first.get("loc", ()) if p not in ("body",)]
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":
+        return APIError(400, f"unrecognized request argument supplied: {param}. This server does not support it, "
+                             "and ignoring it could change what you get; remove it", param=param,
+                        code="unsupported_parameter")
     return APIError(400, f"{param + ': ' if param else ''}{first.get('msg', 'invalid value')}", param=param)
 
 
@@ -106,6 +112,7 @@ class OpenAIIngress:
         self.config = ServeConfig(**config)
         self.model_name = self.config.model_name
         self._board = get_board(replica_identity()[1])  # created here, so the app owns it
+        self._model_info: dict[str, Any] | None = None  # from an engine replica, on first need
 
     # ---- checks ----
     def _authorize(self, request: Request) -> None:
@@ -136,67 +143,174 @@ class OpenAIIngress:
             raise APIError(400, "request body must be a JSON object")
         return data
 
-    def _parse(self, cls, data: dict[str, Any]):
+    @staticmethod
+    def _validate(cls, data: dict[str, Any]):
         try:
-            req = cls(**data)
+            return cls(**data)
         except ValidationError as e:
             raise _from_validation(e.errors()) from None
-        if req.model != self.model_name:
-            raise APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+
+    def _parse(self, cls, data: dict[str, Any]):
+        req = self._validate(cls, data)
+        self._check_model(req.model)
         if req.n > self.config.max_n:
             raise APIError(400, f"n must be <= {self.config.max_n}; got {req.n}", param="n")
         return req
 
+    async def _snapshots(self, max_age_s: float = STALE_AFTER_S) -> dict[str, dict]:
+        try:
+            return await self._board.get_all.remote(max_age_s)
+        except ray.exceptions.RayActorError:  # its owner went away; the replicas report to a new one
+            self._board = get_board(replica_identity()[1])
+            return await self._board.get_all.remote(max_age_s)
+
+    async def _info(self) -> dict[str, Any]:
+        """The model's facts from an engine replica (fetched once): max_model_len, how to read chat output."""
+        if self._model_info is None:
+            try:
+                self._model_info = await asyncio.wait_for(self.engine.model_info.remote(), timeout=60)
+            except Exception as e:
+                raise APIError(503, f"no engine replica answered ({type(e).__name__}); retry shortly",
+                               code="engine_unavailable", retry_after=1) from None
+        return self._model_info
+
     # ---- routes ----
-    @fastapi_app.get("/health")
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}
+    @fastapi_app.get("/health", responses={503: {"model": ErrorResponse, "description": "no engine replica can serve"}})
+    async def health(self) -> JSONResponse:
+        """200 when at least one engine replica has loaded its model and reports a live engine loop; 503 before
+        that (startup) and when none is alive. For load balancers and Kubernetes readiness probes."""
+        try:
+            snapshots = await asyncio.wait_for(self._snapshots(ALIVE_WITHIN_S), timeout=5)
+        except Exception as e:
+            return _error_response(APIError(503, f"the stats board did not answer ({type(e).__name__})",
+                                            code="engine_unavailable", retry_after=1))
+        ready = sum(1 for snap in snapshots.values() if snap.get("healthy"))
+        if not ready:
+            return _error_response(APIError(503, "no engine replica is ready: the model is still loading, or every "
+                                                 "replica failed (see `serve status`)", code="engine_unavailable",
+                                            retry_after=1))
+        return JSONResponse({"status": "ok", "ready_replicas": ready})
 
     @fastapi_app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        try:
-            snapshots = await self._board.get_all.remote()
-        except ray.exceptions.RayActorError:  # its owner went away; the replicas report to a new one
-            self._board = get_board(replica_identity()[1])
-            snapshots = await self._board.get_all.remote()
-        return PlainTextResponse(render(snapshots), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(render(await self._snapshots()), media_type="text/plain; version=0.0.4")
+
+    def _model_card(self, info: dict[str, Any] | None) -> dict[str, Any]:
+        card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvscale"}
+        if info is not None:
+            card["max_model_len"] = info["max_model_len"]
+        return card
 
     @fastapi_app.get("/v1/models", responses=_AUTH_ERRORS)
     async def models(self, request: Request) -> dict[str, Any]:
         self._authorize(request)
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvscale"}]}
+        return {"object": "list", "data": [self._model_card(self._model_info)]}
+
+    @fastapi_app.get("/v1/models/{model_id:path}", responses={**_AUTH_ERRORS, 404: _ERRORS[404]})
+    async def model(self, model_id: str, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        if model_id != self.model_name:
+            raise APIError(404, f"model {model_id!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+        return self._model_card(await self._info())
+
+    @fastapi_app.post("/tokenize", openapi_extra=_json_body(TokenizeRequest), responses=_ERRORS)
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /tokenize: {"model", "prompt"} or {"model", "messages"} -> {"tokens", "count", "max_model_len"}."""
+        self._authorize(request)
+        req = self._validate(TokenizeRequest, await self._read_json(request))
+        self._check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "send exactly one of prompt or messages", param="prompt")
+        body = req.model_dump(exclude_none=True)
+        if req.messages is not None:
+            body["messages"] = [_flatten_message(m.model_dump(exclude_none=True)) for m in req.messages]
+        return await self._engine_call(self.engine.tokenize.remote(body))
+
+    @fastapi_app.post("/detokenize", openapi_extra=_json_body(DetokenizeRequest), responses=_ERRORS)
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        """vLLM's /detokenize: {"model", "tokens"} -> {"prompt"}."""
+        self._authorize(request)
+        req = self._validate(DetokenizeRequest, await self._read_json(request))
+        self._check_model(req.model)
+        return await self._engine_call(self.engine.detokenize.remote(req.tokens))
+
+    async def _engine_call(self, response) -> dict[str, Any]:
+        try:
+            result = await asyncio.wait_for(response, timeout=60)
+        except Exception as e:
+            raise APIError(503, f"no engine replica could take the request: {type(e).__name__}",
+                           code="engine_unavailable", retry_after=1) from None
+        if isinstance(result, ErrorMessage):
+            raise result.to_error()
+        return result
+
+    def _check_model(self, model: Any) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
 
     @fastapi_app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest), responses=_ERRORS)
     async def completions(self, request: Request):
         self._authorize(request)
+        arrival = time.time()
         req: CompletionRequest = self._parse(CompletionRequest, await self._read_json(request))
-        if req.echo or req.suffix is not None or (req.best_of is not None and req.best_of != req.n):
-            raise APIError(400, "echo, suffix and best_of are not supported", param="echo")
+        for name, unsupported in (("echo", req.echo), ("suffix", req.suffix is not None),
+                                  ("best_of", req.best_of is not None and req.best_of != req.n)):
+            if unsupported:
+                raise APIError(400, f"{name} is not supported by this server; remove it", param=name,
+                               code="unsupported_parameter")
         prompts = _prompt_list(req.prompt, self.config.max_prompts_per_request)
         sampling = {**req.sampling_kwargs(), "logprobs": req.logprobs}
         rid = f"cmpl-{uuid.uuid4().hex}"
-        requests = [GenerateRequest(f"{rid}-{i}", "completion", sampling, prompt=p) for i, p in enumerate(prompts)]
+        requests = [GenerateRequest(f"{rid}-{i}", "completion", sampling, prompt=p, arrival_time=arrival)
+                    for i, p in enumerate(prompts)]
         return await self._serve(rid, "completion", req, requests)
 
     @fastapi_app.post("/v1/chat/completions", openapi_extra=_json_body(ChatCompletionRequest),
                       responses=_ERRORS)
     async def chat_completions(self, request: Request):
         self._authorize(request)
+        arrival = time.time()
         req: ChatCompletionRequest = self._parse(ChatCompletionRequest, await self._read_json(request))
         sampling = req.sampling_kwargs()
         if req.max_completion_tokens is not None:
+            if req.max_tokens is not None and req.max_tokens != req.max_completion_tokens:
+                raise APIError(400, "max_tokens and max_completion_tokens disagree; send one of them",
+                               param="max_completion_tokens")
             sampling["max_tokens"] = req.max_completion_tokens
         sampling["logprobs"] = (req.top_logprobs or 0) if req.logprobs else None
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+        choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+        choice = choice if choice is not None else ("auto" if tools else "none")
+        if choice != "none" and not tools:
+            raise APIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+        mode = "text"
+        if tools and choice != "none":
+            try:
+                constraint = tool_constraint(tools, choice, req.parallel_tool_calls)
+            except LookupError:
+                raise APIError(400, f"tool_choice names function {choice['function']['name']!r}, which is not "
+                                    "among tools", param="tool_choice") from None
+            if constraint is not None:
+                if "structured_outputs" in sampling:
+                    raise APIError(400, "a required or named tool_choice already constrains the output; it cannot "
+                                        "be combined with response_format or structured_outputs",
+                                   param="response_format")
+                sampling["structured_outputs"] = constraint
+            mode = choice if isinstance(choice, str) else f"named:{choice['function']['name']}"
+        info = await self._info()
         messages = [_flatten_message(m.model_dump(exclude_none=True)) for m in req.messages]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         requests = [GenerateRequest(rid, "chat", sampling, messages=messages,
-                                    add_generation_prompt=req.add_generation_prompt)]
-        return await self._serve(rid, "chat", req, requests)
+                                    add_generation_prompt=req.add_generation_prompt,
+                                    tools=tools if choice != "none" else None,
+                                    chat_template_kwargs=req.chat_template_kwargs, arrival_time=arrival)]
+        return await self._serve(rid, "chat", req, requests,
+                                 lambda: ChatOutputParser(mode, reasoning=info["reasoning"]))
 
     # ---- streaming core ----
-    async def _serve(self, rid: str, kind: str, req, requests: list[GenerateRequest]):
+    async def _serve(self, rid: str, kind: str, req, requests: list[GenerateRequest], make_parser=None):
         streams = [self.engine.options(stream=True).generate.remote(r) for r in requests]
         try:
             firsts = await asyncio.gather(*(s.__anext__() for s in streams))
@@ -218,25 +332,39 @@ class OpenAIIngress:
         n = req.n
         created = int(time.time())
         merged = _merge(streams, firsts)
+        make_parser = make_parser or (lambda: ChatOutputParser("text", reasoning=False))
         if req.stream:
-            return StreamingResponse(self._sse_stream(rid, kind, req, merged, n, created, len(requests)),
+            return StreamingResponse(self._sse_stream(rid, kind, req, merged, n, created, len(requests), make_parser),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await self._collect(rid, kind, req, merged, n, created, len(requests))
+        return await self._collect(rid, kind, req, merged, n, created, len(requests), make_parser)
 
-    def _choice_chunk(self, kind: str, index: int, c: ChoiceDelta, first: bool) -> dict[str, Any]:
+    def _choice_chunk(self, kind: str, index: int, c: ChoiceDelta, first: bool, parser) -> dict[str, Any]:
         lp = _format_logprobs(kind, c.logprobs) if c.logprobs is not None else None
         if kind == "completion":
             return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
-        delta: dict[str, Any] = {"content": c.text}
+        reasoning, content = parser.feed(c.text)
+        calls = None
+        if c.finish_reason:
+            more_reasoning, more_content, calls = parser.finish()
+            reasoning, content = reasoning + more_reasoning, content + more_content
+        delta: dict[str, Any] = {}
         if first:
             delta["role"] = "assistant"
-        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+        if content or not (reasoning or calls):
+            delta["content"] = content
+        if reasoning:
+            delta["reasoning_content"] = reasoning
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
+        finish = "tool_calls" if calls else c.finish_reason
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
-    async def _sse_stream(self, rid, kind, req, merged, n, created, num_prompts) -> AsyncIterator[bytes]:
+    async def _sse_stream(self, rid, kind, req, merged, n, created, num_prompts, make_parser) -> AsyncIterator[bytes]:
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
         prompt_tokens: dict[int, int] = {}
         completion_tokens: dict[int, int] = {}
         started: set[int] = set()
+        parsers: dict[int, ChatOutputParser] = {}
         try:
             async for p_idx, item in merged:
                 if isinstance(item, ErrorMessage):
@@ -247,7 +375,8 @@ class OpenAIIngress:
                 for c in item.choices:
                     index = p_idx * n + c.index
                     completion_tokens[index] = c.num_output_tokens
-                    choices.append(self._choice_chunk(kind, index, c, index not in started))
+                    parser = parsers.setdefault(index, make_parser()) if kind == "chat" else None
+                    choices.append(self._choice_chunk(kind, index, c, index not in started, parser))
                     started.add(index)
                 if choices:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
@@ -264,7 +393,7 @@ class OpenAIIngress:
             await merged.aclose()
         yield b"data: [DONE]\n\n"
 
-    async def _collect(self, rid, kind, req, merged, n, created, num_prompts) -> JSONResponse:
+    async def _collect(self, rid, kind, req, merged, n, created, num_prompts, make_parser) -> JSONResponse:
         texts: dict[int, list[str]] = {}
         finish: dict[int, str | None] = {}
         lps: dict[int, list] = {}
@@ -297,8 +426,17 @@ class OpenAIIngress:
             if kind == "completion":
                 choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": finish.get(index)})
             else:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": finish.get(index)})
+                parser = make_parser()
+                reasoning, content = parser.feed(text)
+                more_reasoning, more_content, calls = parser.finish()
+                reasoning, content = reasoning + more_reasoning, content + more_content
+                message: dict[str, Any] = {"role": "assistant", "content": content or (None if calls else "")}
+                if reasoning:
+                    message["reasoning_content"] = reasoning
+                if calls:
+                    message["tool_calls"] = calls
+                choices.append({"index": index, "message": message, "logprobs": lp,
+                                "finish_reason": "tool_calls" if calls else finish.get(index)})
         return JSONResponse({"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
                              "created": created, "model": self.model_name, "choices": choices,
                              "usage": _usage(prompt_tokens, completion_tokens)})

@@ -20,6 +20,9 @@ class GenerateRequest:
     prompt: str | list[int] | None = None  # completion
     messages: list[dict[str, Any]] | None = None  # chat: OpenAI messages, content flattened to text
     add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None  # chat: OpenAI tool definitions for the template
+    chat_template_kwargs: dict[str, Any] | None = None  # chat: extra template variables (enable_thinking, ...)
+    arrival_time: float | None = None  # time.time() when the ingress received the HTTP request
 
 
 @dataclass(slots=True)

@@ -14,6 +14,7 @@ import ray
 
 REPORT_INTERVAL_S = 0.5
 STALE_AFTER_S = 10.0
+ALIVE_WITHIN_S = 3.0  # /health counts a replica as alive while it reported this recently
 BOARD_NAMESPACE = "kvscale"
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -66,10 +67,11 @@ class StatsBoard:
     def put(self, replica: str, snapshot: dict) -> None:
         self.snapshots[replica] = (time.time(), snapshot)
 
-    def get_all(self) -> dict[str, dict]:
+    def get_all(self, max_age_s: float = STALE_AFTER_S) -> dict[str, dict]:
+        """The snapshots reported within max_age_s (those older than STALE_AFTER_S are dropped for good)."""
         now = time.time()
         self.snapshots = {r: v for r, v in self.snapshots.items() if now - v[0] < STALE_AFTER_S}
-        return {r: v[1] for r, v in self.snapshots.items()}
+        return {r: v[1] for r, v in self.snapshots.items() if now - v[0] < max_age_s}
 
 
 def replica_identity() -> tuple[str, str]:

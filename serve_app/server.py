@@ -7,6 +7,7 @@ snapshot (for /metrics, Ray Serve's autoscaler and the router) and `check_health
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -21,6 +22,7 @@ from engine.llm import apply_chat_template
 from engine.outputs import CompletionOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from serve_app.autoscaling import autoscaling_metrics
+from serve_app.chat_output import render_tool_messages
 from serve_app.config import ServeConfig
 from serve_app.messages import ChoiceDelta, ErrorMessage, GenerateRequest, OutputDelta, TokenLogprob
 from serve_app.metrics import (E2E_BUCKETS, ITL_BUCKETS, REPORT_INTERVAL_S, TTFT_BUCKETS, Histogram, get_board,
@@ -45,6 +47,7 @@ class EngineServer:
             torch.set_num_threads(threads)
         self.llm = AsyncLLM(self.config.to_engine_config())
         self.tokenizer = self.llm.get_tokenizer()
+        self._template_knows_tools = "tools" in str(getattr(self.tokenizer, "chat_template", "") or "")
         self.replica_id, self.app_name = replica_identity()
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
@@ -60,17 +63,48 @@ class EngineServer:
         self._reporter.start()
 
     # ---- requests ----
-    def _prepare(self, req: GenerateRequest) -> tuple[Any, SamplingParams]:
+    def model_info(self) -> dict[str, Any]:
+        """What the ingress needs to know about the model: /v1/models' max_model_len, and how to read chat output."""
+        vocab = self.tokenizer.get_vocab()
+        return {"max_model_len": self.llm.max_model_len, "template_knows_tools": self._template_knows_tools,
+                "reasoning": "<think>" in vocab and "</think>" in vocab,
+                "generation_defaults": dict(self.llm.generation_defaults)}
+
+    def tokenize(self, body: dict[str, Any]) -> dict[str, Any] | ErrorMessage:
+        """/tokenize: a prompt or chat messages to token ids, as the engine would see them."""
         try:
-            params = SamplingParams(**req.sampling, output_kind=RequestOutputKind.DELTA)
+            if body.get("messages") is not None:
+                ids = apply_chat_template(self.tokenizer, render_tool_messages(body["messages"], None, self._template_knows_tools),
+                                          body.get("add_generation_prompt", True),
+                                          **(body.get("chat_template_kwargs") or {}))
+            else:
+                ids = self.tokenizer.encode(body["prompt"], add_special_tokens=body.get("add_special_tokens", True))
+        except Exception as e:
+            return ErrorMessage.of(APIError(400, f"could not tokenize: {type(e).__name__}: {e}",
+                                            param="messages" if body.get("messages") is not None else "prompt"))
+        return {"tokens": ids, "count": len(ids), "max_model_len": self.llm.max_model_len}
+
+    def detokenize(self, tokens: list[int]) -> dict[str, Any] | ErrorMessage:
+        vocab = len(self.tokenizer)
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+            return ErrorMessage.of(APIError(400, f"tokens must be token ids in [0, {vocab})", param="tokens"))
+        return {"prompt": self.tokenizer.decode(tokens)}
+
+    def _prepare(self, req: GenerateRequest) -> tuple[Any, SamplingParams]:
+        sampling = {**self.llm.generation_defaults, **req.sampling}  # the model's defaults under the request's
+        try:
+            params = SamplingParams(**sampling, output_kind=RequestOutputKind.DELTA)
         except (ValueError, TypeError) as e:
-            raise APIError(400, str(e), param=_field_in(str(e))) from e
+            raise _refusal(str(e), req.kind) from e
         if params.n > self.config.max_n:
             raise APIError(400, f"n must be <= {self.config.max_n}; got {params.n}", param="n")
         if req.kind == "chat":
+            knows = self._template_knows_tools
             try:
+                messages = render_tool_messages(req.messages or [], req.tools, knows)
                 prompt: Any = {"prompt_token_ids": apply_chat_template(
-                    self.tokenizer, req.messages or [], req.add_generation_prompt)}
+                    self.tokenizer, messages, req.add_generation_prompt, tools=req.tools if knows else None,
+                    **(req.chat_template_kwargs or {}))}
             except Exception as e:  # a template that rejects these messages is the caller's error
                 raise APIError(400, f"the chat template could not render these messages: {e}",
                                param="messages") from e
@@ -91,28 +125,42 @@ class EngineServer:
             yield ErrorMessage.of(e)
             return
         self._remember_prefix(req)
+        # Latencies count from the request's arrival at the ingress (held there and in Serve's queues too), by
+        # the wall clock the two share; inside the replica, between tokens, by the monotonic clock.
+        held = max(0.0, time.time() - req.arrival_time) if req.arrival_time else 0.0
         last, first_seen = start, False
+        reasons: dict[int, str] = {}
+        sample_last: dict[int, float] = {}  # per sample: when its latest tokens arrived
         self._num_unstarted += 1
         try:
             async for out in self.llm.generate(prompt, params, request_id, self.config.stream_interval_s):
                 now = time.monotonic()
                 n_new = sum(len(c.token_ids) for c in out.outputs)
                 if n_new and not first_seen:
-                    self.ttft.observe(now - start)
+                    self.ttft.observe(held + now - start)
                     first_seen = True
                     self._num_unstarted -= 1
-                elif n_new:
-                    self.itl.observe((now - last) / n_new, n_new)
+                for c in out.outputs:  # each sample is its own stream: time between its own tokens
+                    if not c.token_ids:
+                        continue
+                    k = len(c.token_ids)
+                    if c.index in sample_last:
+                        self.itl.observe((now - sample_last[c.index]) / k, k)
+                    elif k > 1:  # its first token starts its clock; the rest came within this interval
+                        self.itl.observe((now - last) / k, k - 1)
+                    sample_last[c.index] = now
                 last = now
                 yield OutputDelta([_choice(c, params.logprobs) for c in out.outputs], out.finished,
                                   len(out.prompt_token_ids))
                 for c in out.outputs:  # DELTA: a sample's finish_reason comes exactly once
                     if c.finish_reason:
-                        self.finished[c.finish_reason] = self.finished.get(c.finish_reason, 0) + 1
-                if out.finished:
-                    self.e2e.observe(now - start)
+                        reasons[c.index] = c.finish_reason
+                if out.finished:  # one request, counted once, by its first sample's reason
+                    reason = reasons.get(0) or next(iter(reasons.values()), "abort")
+                    self.finished[reason] = self.finished.get(reason, 0) + 1
+                    self.e2e.observe(held + now - start)
         except ValueError as e:
-            yield ErrorMessage.of(APIError(400, str(e), param=_field_in(str(e))))
+            yield ErrorMessage.of(_refusal(str(e), req.kind))
         except RuntimeError as e:
             yield ErrorMessage.of(APIError(500, str(e), code="engine_error"))
         finally:
@@ -146,6 +194,7 @@ class EngineServer:
                            "e2e_request_latency_seconds": self.e2e.snapshot()},
             "finished": dict(self.finished),
             "block_size": s.block_size, "max_model_len": self.llm.max_model_len,
+            "healthy": s.is_healthy and self.llm.is_healthy,
         }
 
     def record_autoscaling_stats(self) -> dict[str, float]:
@@ -188,6 +237,20 @@ def _choice(c: CompletionOutput, top_k: int | None) -> ChoiceDelta:
     return ChoiceDelta(c.index, c.text, c.token_ids, c.finish_reason, c.num_output_tokens, logprobs)
 
 
-def _field_in(message: str) -> str | None:
-    first = message.split(" ", 1)[0]
-    return first if first.isidentifier() else None
+_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - {"output_kind"}
+
+
+def _refusal(message: str, kind: str) -> APIError:
+    """The 400 for a request the engine refused: `param` names the field the message is about (or None), and a
+    prompt or max_tokens that does not fit the context gets OpenAI's code context_length_exceeded."""
+    first = message.split(" ", 1)[0].split("=", 1)[0].split(".", 1)[0].rstrip(":")
+    param = first if first in _PARAMS else None
+    code = None
+    if "max_model_len" in message:
+        code = "context_length_exceeded"
+        param = param or ("messages" if kind == "chat" else "prompt")
+    elif param is None and ("prompt" in message.split(" ", 3)[:3] or message.startswith("the prompt")):
+        param = "messages" if kind == "chat" else "prompt"
+    elif param is None and ("JSON schema" in message or "constraint" in message):
+        param = "response_format"
+    return APIError(400, message, param=param, code=code)

@@ -228,8 +228,10 @@ def test_openapi_fuzz_with_schemathesis_gets_no_5xx(server):
     from schemathesis import GenerationMode
 
     doc = httpx.get(f"{server}/openapi.json", timeout=30).json()
-    for name in ("CompletionRequest", "ChatCompletionRequest"):  # tell the fuzzer the served model's name,
-        doc["components"]["schemas"][name]["properties"]["model"] = {"enum": [MODEL]}  # or it only finds 404s
+    for name in ("CompletionRequest", "ChatCompletionRequest", "TokenizeRequest", "DetokenizeRequest"):
+        # tell the fuzzer the served model's name, or it only finds 404s
+        doc["components"]["schemas"][name]["properties"]["model"] = {"enum": [MODEL]}
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
         doc["components"]["schemas"][name]["properties"]["max_tokens"] = {
             "anyOf": [{"type": "integer", "minimum": 1, "maximum": 24}, {"type": "null"}]}
     schema = schemathesis.openapi.from_dict(doc)
