@@ -17,14 +17,48 @@ def resolve_model_path(model: str | None) -> str:
 
         return default_model_dir()
     path = Path(model).expanduser()
+    if not path.is_dir() and _looks_like_repo_id(model):
+        path = Path(_from_hub(model))
     if not path.is_dir():
         raise FileNotFoundError(
-            f"model {model!r} is not a local folder. Pass a folder with config.json, *.safetensors and tokenizer "
-            "files (nothing is downloaded), or model='default' for the bundled SmolLM2-135M-Instruct."
+            f"model {model!r} is not a local folder or a Hugging Face repo id (org/name). Pass a folder with "
+            "config.json, *.safetensors and tokenizer files, a repo id, or model='default' for the bundled "
+            "SmolLM2-135M-Instruct."
         )
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"model folder {path} has no config.json")
     return str(path)
+
+
+HUB_FILES = ["config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+             "special_tokens_map.json", "chat_template.jinja", "vocab.*", "merges.txt"]
+
+
+def _looks_like_repo_id(model: str) -> bool:
+    parts = model.split("/")
+    return len(parts) == 2 and all(parts) and not model.startswith((".", "~")) and "\\" not in model
+
+
+def _from_hub(repo_id: str) -> str:
+    """A Hugging Face repo id: from the local HF cache if it is there; else downloaded (config, tokenizer,
+    safetensors only), unless HF_HUB_OFFLINE is set or there is no network, which is then said plainly."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_FILES, local_files_only=True)
+    except LocalEntryNotFoundError:
+        pass
+    try:
+        return snapshot_download(repo_id, allow_patterns=HUB_FILES)
+    except LocalEntryNotFoundError as e:  # offline mode, or the network refused
+        raise FileNotFoundError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and could not be downloaded ({e}). "
+            "Download it where there is network (`hf download " + repo_id + "`) or pass a local folder."
+        ) from None
+    except Exception as e:
+        raise FileNotFoundError(f"could not fetch model {repo_id!r} from the Hugging Face Hub: "
+                                f"{type(e).__name__}: {e}") from None
 
 
 def load_hf_config(path: str) -> Any:

@@ -96,7 +96,13 @@ def native() -> ctypes.CDLL | None:
                        "decoding falls back to torch's library kernels, which are slower at few rows")
         return None
     build_flags = _flags(flags)
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(build_flags).encode() + model.encode()).hexdigest()[:16]
+    try:
+        source = SOURCE.read_bytes()
+    except OSError as e:
+        logger.warning("kvscale's CPU kernel source %s is missing (%s): the install lacks its package data; "
+                       "reinstall kvscale (pip install .). Falling back to torch's library kernels", SOURCE, e)
+        return None
+    key = hashlib.sha256(source + " ".join(build_flags).encode() + model.encode()).hexdigest()[:16]
     cache = os.environ.get("KVSCALE_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kvscale")  # as the default model's
     target = Path(cache) / "cpu_kernels" / f"cpu_native-{key}.so"

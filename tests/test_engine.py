@@ -277,3 +277,23 @@ def test_fake_steps_run_the_real_scheduler_and_free_everything(make_tiny_model):
     assert_all_free(llm)
     with pytest.raises(ValueError, match="fake_step_s"):
         LLM(model="default", fake_step_s=-1)
+
+
+def test_model_may_be_a_hugging_face_repo_id_from_the_local_cache(make_tiny_model, tmp_path, monkeypatch):
+    """No network here: the repo is laid out as huggingface_hub caches it, and the engine finds it by its id."""
+    import shutil
+
+    import huggingface_hub.constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--kvscale-test--tiny-llama"
+    shutil.copytree(make_tiny_model("llama"), repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    llm = LLM(model="kvscale-test/tiny-llama", dtype="float32", device="cpu", num_kv_blocks=16, max_model_len=64,
+              show_progress=False)
+    assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))[0].outputs[0].token_ids) == 3
+    with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
+        LLM(model="kvscale-test/absent", show_progress=False)

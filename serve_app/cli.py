@@ -1,0 +1,77 @@
+"""The `kvscale` command (installed by `pip install .`).
+
+  kvscale serve [CONFIG.yaml] [serve run options]   the Ray Serve app (default: the packaged serve_app/config.yaml)
+  kvscale chat [--model M] [--dtype D]              chat with a model in this terminal (the offline engine, no Ray)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+DEFAULT_CONFIG = Path(__file__).with_name("config.yaml")
+
+
+def serve(argv: list[str]) -> int:
+    """`serve run` on the config, so every `serve run` option works; returns its exit status."""
+    config = argv[0] if argv and not argv[0].startswith("-") else str(DEFAULT_CONFIG)
+    rest = argv[1:] if argv and not argv[0].startswith("-") else argv
+    if not Path(config).exists():
+        print(f"kvscale serve: no config file {config!r}", file=sys.stderr)
+        return 2
+    from ray.serve.scripts import cli
+
+    # the app imports serve_app from wherever kvscale is installed, whatever the working directory
+    sys.argv = ["serve", "run", config, *rest]
+    try:
+        cli.main(prog_name="serve")
+    except SystemExit as e:
+        return int(e.code or 0)
+    return 0
+
+
+def chat(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="kvscale chat", description="Chat with a model in this terminal.")
+    ap.add_argument("--model", default="default", help="local folder, Hugging Face repo id, or 'default'")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--temperature", type=float, default=0.7)
+    args = ap.parse_args(argv)
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, show_progress=False)
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens)
+    messages: list[dict] = []
+    print("kvscale chat: type a message; an empty line or Ctrl-D ends.")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        reply = llm.chat(messages, params)[0].outputs[0].text
+        print(reply)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__.strip())
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if command == "serve":
+        return serve(rest)
+    if command == "chat":
+        return chat(rest)
+    print(f"kvscale: unknown command {command!r}\n\n{__doc__.strip()}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
