@@ -36,10 +36,10 @@ def _pad(rows: list[list[int]], fill: int, device: torch.device) -> torch.Tensor
 
 
 class Sampler:
-    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int, device: torch.device,
-                 structured: StructuredOutputs | None = None) -> None:
+    def __init__(self, vocab_size: int, eos_token_ids: list[int], seed: int, device: torch.device) -> None:
         self.vocab_size = vocab_size
-        self.structured = structured  # the engine's grammars (it owns them); None: no constrained requests
+        # the engine's grammars, set by the engine that owns them; None: no constrained requests
+        self.structured: StructuredOutputs | None = None
         self.eos_token_ids = eos_token_ids
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
@@ -62,9 +62,9 @@ class Sampler:
         want_logprobs = any(p.logprobs is not None for p in params)
         raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
-        seq_ids = [s.seq_id for s in seqs]
         constrained = self.structured is not None and self.structured.num_live > 0
         if constrained:
+            seq_ids = [s.seq_id for s in seqs]
             logits = logits.contiguous()
             self.structured.mask(logits, seq_ids)
         logits = self._mask_early_stop(logits, seqs)

@@ -18,7 +18,6 @@ engine forgets a sequence's matcher whenever the sequence ends (finish, abort, f
 from __future__ import annotations
 
 import json
-import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,11 +67,10 @@ class StructuredOutputs:
         self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
         self._compiler = None  # made on first use: most engines never see a constrained request
         self._compiled: dict[tuple[str, str], Any] = {}
-        self._matchers: dict[str, Any] = {}  # seq_id -> GrammarMatcher
+        # seq_id -> (GrammarMatcher, is_json); JSON rows also get control-character tokens banned
+        self._matchers: dict[str, tuple[Any, bool]] = {}
         self._bitmask = None  # (rows, words) int32, grown as needed
-        self._json_rows: set[str] = set()  # seq_ids whose grammar is JSON (control-character tokens banned)
         self._control_tokens = None  # LongTensor of token ids whose bytes hold a control character
-        self._lock = threading.Lock()  # compile() may be called from a server thread ahead of the engine's
 
     @property
     def num_live(self) -> int:
@@ -97,55 +95,48 @@ class StructuredOutputs:
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar; ValueError naming the problem when the constraint is invalid."""
         key = params.key()
-        with self._lock:
-            hit = self._compiled.get(key)
-            if hit is not None:
-                return hit
-            compiler = self._get_compiler()
-            kind, spec = key
-            try:
-                if kind == "json":
-                    json.loads(spec)  # a clear error for text that is not JSON at all
-                    # compact JSON: no runs of whitespace between tokens, which a sampling model can spin in
-                    # until max_tokens cuts the object short
-                    compiled = compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
-                elif kind == "json_object":  # OpenAI's json_object: a JSON object, not any JSON value
-                    compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
-                                                            strict_mode=False)
-                elif kind == "regex":
-                    compiled = compiler.compile_regex(spec)
-                elif kind == "grammar":
-                    compiled = compiler.compile_grammar(spec)
-                else:
-                    import xgrammar as xgr
+        hit = self._compiled.get(key)
+        if hit is not None:
+            return hit
+        compiler = self._get_compiler()
+        kind, spec = key
+        try:
+            if kind == "json":
+                json.loads(spec)  # a clear error for text that is not JSON at all
+                # compact JSON: no runs of whitespace between tokens, which a sampling model can spin in
+                # until max_tokens cuts the object short
+                compiled = compiler.compile_json_schema(spec, any_whitespace=False, strict_mode=True)
+            elif kind == "json_object":  # OpenAI's json_object: a JSON object, not any JSON value
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False,
+                                                        strict_mode=False)
+            elif kind == "regex":
+                compiled = compiler.compile_regex(spec)
+            elif kind == "grammar":
+                compiled = compiler.compile_grammar(spec)
+            else:
+                import xgrammar as xgr
 
-                    choices = json.loads(spec)
-                    ebnf = "root ::= " + " | ".join(json.dumps(c) for c in choices)
-                    compiled = compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
-            except json.JSONDecodeError as e:
-                raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
-            except (RuntimeError, ValueError, TypeError) as e:
-                raise ValueError(f"invalid {kind.replace('_', ' ')} constraint: {_first_line(e)}") from None
-            if len(self._compiled) >= MAX_CACHED_GRAMMARS:
-                self._compiled.pop(next(iter(self._compiled)))
-            self._compiled[key] = (compiled, kind in ("json", "json_object"))
-            return self._compiled[key]
+                choices = json.loads(spec)
+                ebnf = "root ::= " + " | ".join(json.dumps(c) for c in choices)
+                compiled = compiler.compile_grammar(xgr.Grammar.from_ebnf(ebnf))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"the JSON schema is not valid JSON: {e}") from None
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"invalid {kind.replace('_', ' ')} constraint: {_first_line(e)}") from None
+        if len(self._compiled) >= MAX_CACHED_GRAMMARS:
+            self._compiled.pop(next(iter(self._compiled)))
+        self._compiled[key] = (compiled, kind in ("json", "json_object"))
+        return self._compiled[key]
 
     def add(self, seq_id: str, compiled: Any) -> None:
         """compiled: what compile() returned."""
         import xgrammar as xgr
 
         grammar, is_json = compiled
-        self._matchers[seq_id] = xgr.GrammarMatcher(grammar)
-        if is_json:
-            self._json_rows.add(seq_id)
+        self._matchers[seq_id] = (xgr.GrammarMatcher(grammar), is_json)
 
     def forget(self, seq_id: str) -> None:
         self._matchers.pop(seq_id, None)
-        self._json_rows.discard(seq_id)
-
-    def has(self, seq_id: str) -> bool:
-        return seq_id in self._matchers
 
     def mask(self, logits, seq_ids: list[str]) -> None:
         """In place: -inf on the tokens each constrained row's grammar forbids next. Rows of unconstrained
@@ -160,22 +151,22 @@ class StructuredOutputs:
             self._bitmask = xgr.allocate_token_bitmask(max(len(seq_ids), 8), self.vocab_size)
         bitmask = self._bitmask[: len(seq_ids)]
         for i in rows:
-            self._matchers[seq_ids[i]].fill_next_token_bitmask(bitmask, i)
+            self._matchers[seq_ids[i]][0].fill_next_token_bitmask(bitmask, i)
         if logits.device.type == "cpu":
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
         else:
             xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                             vocab_size=self.vocab_size,
                                             indices=torch.tensor(rows, dtype=torch.int32, device=logits.device))
-        json_rows = [i for i in rows if seq_ids[i] in self._json_rows]
+        json_rows = [i for i in rows if self._matchers[seq_ids[i]][1]]
         if json_rows and len(self._control_tokens):
             ban = self._control_tokens.to(logits.device)
             logits[torch.tensor(json_rows, device=logits.device)[:, None], ban[None, :]] = float("-inf")
 
     def accept(self, seq_id: str, token_id: int) -> None:
-        matcher = self._matchers.get(seq_id)
-        if matcher is not None and not matcher.is_terminated():
-            if not matcher.accept_token(token_id):
+        entry = self._matchers.get(seq_id)
+        if entry is not None and not entry[0].is_terminated():
+            if not entry[0].accept_token(token_id):
                 raise RuntimeError(f"sequence {seq_id} sampled token {token_id}, which its grammar forbids")
 
 

@@ -117,7 +117,7 @@ class ChatOutputParser:
     def _split(self, final: bool) -> tuple[str, str, str | None, bool]:
         """(reasoning, content, tail, reasoning_open). tail: where tool calls begin (None: none seen)."""
         text = self.text
-        reasoning, rest, open_ = "", text, False
+        reasoning, rest = "", text
         stripped = text.lstrip()
         if self.reasoning_enabled and stripped.startswith(THINK_OPEN):
             body = stripped[len(THINK_OPEN):]
@@ -129,13 +129,13 @@ class ChatOutputParser:
             reasoning, rest = text.split(THINK_CLOSE, 1)
             rest = rest.lstrip("\n")
         if self.mode == "text":
-            return reasoning, rest, None, open_
+            return reasoning, rest, None, False
         if self.mode != "auto":  # the whole answer is the calls' JSON
-            return reasoning, "", rest, open_
+            return reasoning, "", rest, False
         at = rest.find(CALL_OPEN)
         if at == -1:
-            return reasoning, rest, None, open_
-        return reasoning, rest[:at], rest[at:], open_
+            return reasoning, rest, None, False
+        return reasoning, rest[:at], rest[at:], False
 
     def feed(self, new_text: str) -> tuple[str, str]:
         self.text += new_text
@@ -143,7 +143,7 @@ class ChatOutputParser:
         if reasoning_open:  # hold what could be the start of </think>
             safe = len(reasoning) - _partial_suffix(reasoning, THINK_CLOSE)
             return self._take_reasoning(reasoning[:safe]), ""
-        if not self.text.lstrip() or THINK_OPEN.startswith(self.text.lstrip()):
+        if self.reasoning_enabled and THINK_OPEN.startswith(self.text.lstrip()):
             return "", ""  # too early to tell whether reasoning starts
         r = self._take_reasoning(reasoning)
         if self.mode == "auto" and tail is None:

@@ -67,8 +67,7 @@ class EngineServer:
         """What the ingress needs to know about the model: /v1/models' max_model_len, and how to read chat output."""
         vocab = self.tokenizer.get_vocab()
         return {"max_model_len": self.llm.max_model_len, "template_knows_tools": self._template_knows_tools,
-                "reasoning": "<think>" in vocab and "</think>" in vocab,
-                "generation_defaults": dict(self.llm.generation_defaults)}
+                "reasoning": "<think>" in vocab and "</think>" in vocab}
 
     def tokenize(self, body: dict[str, Any]) -> dict[str, Any] | ErrorMessage:
         """/tokenize: a prompt or chat messages to token ids, as the engine would see them."""

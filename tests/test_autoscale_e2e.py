@@ -25,7 +25,7 @@ import time
 
 import httpx
 import pytest
-from helpers import free_port, wait_until_serving
+from helpers import local_serve, wait_until_serving
 
 pytestmark = pytest.mark.slow
 
@@ -35,15 +35,8 @@ STEP_S = 0.06  # seconds per engine step in the scaling test: 600 decode steps o
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray import serve
-
-    ray.init(num_cpus=4, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve(num_cpus=4) as base:
+        yield base
 
 
 def _running_replicas(app: str) -> int:

@@ -11,7 +11,7 @@ import time
 import httpx
 import jsonschema
 import pytest
-from helpers import free_port, wait_until_serving
+from helpers import local_serve, wait_until_serving
 
 pytestmark = pytest.mark.slow
 
@@ -48,15 +48,8 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def cluster():
-    import ray
-    from ray import serve
-
-    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve(num_cpus=8) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers import free_port, wait_until_serving
+from helpers import local_serve, wait_until_serving
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is a folder of scripts, not a package
 from bench.loadgen import ERROR_KEYS, replica_metrics, run_load, stream_one  # noqa: E402
@@ -33,26 +33,20 @@ STREAMS = 16  # in the kill test: about 8 a replica, 16 blocks each, within one 
 
 @pytest.fixture(scope="module")
 def server(make_tiny_model):
-    import ray
     from ray import serve
 
     from serve_app import build_app
 
-    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": make_tiny_model("llama"), "served_model_name": MODEL, "dtype": "float32",
-                         "num_kv_blocks": 160, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 48,
-                         "max_num_batched_tokens": 96, "api_key": KEY, "max_request_body_bytes": BODY_LIMIT,
-                         "max_n": 4, "max_prompts_per_request": 4, "max_waiting_requests": 128,
-                         "num_replicas": REPLICAS, "torch_threads": 1, "engine_num_cpus": 1}),
-              name=APP, route_prefix="/", blocking=False)
-    base = f"http://127.0.0.1:{port}"
-    wait_until_serving([f"{base}/health"], 300, "the serve app")
-    _wait_replicas(base, REPLICAS, timeout=120)
-    yield base
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve(num_cpus=8) as base:
+        serve.run(build_app({"model": make_tiny_model("llama"), "served_model_name": MODEL, "dtype": "float32",
+                             "num_kv_blocks": 160, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 48,
+                             "max_num_batched_tokens": 96, "api_key": KEY, "max_request_body_bytes": BODY_LIMIT,
+                             "max_n": 4, "max_prompts_per_request": 4, "max_waiting_requests": 128,
+                             "num_replicas": REPLICAS, "torch_threads": 1, "engine_num_cpus": 1}),
+                  name=APP, route_prefix="/", blocking=False)
+        wait_until_serving([f"{base}/health"], 300, "the serve app")
+        _wait_replicas(base, REPLICAS, timeout=120)
+        yield base
 
 
 def _wait_replicas(base: str, n: int, timeout: float, exclude: set[str] = frozenset()) -> set[str]:

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from helpers import free_port, wait_until_serving
+from helpers import local_serve, wait_until_serving
 
 pytestmark = pytest.mark.slow
 
@@ -19,26 +19,20 @@ MODEL = "SmolLM2-135M-Instruct"
 
 @pytest.fixture(scope="module")
 def server(make_tiny_model):
-    import ray
     from ray import serve
 
     from serve_app import build_app
 
-    ray.init(num_cpus=8, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app({"model": "default", "num_kv_blocks": 256, "max_model_len": 1024, "torch_threads": 1,
-                         "engine_num_cpus": 1}), name="main", route_prefix="/", blocking=False)
-    tiny = make_tiny_model("llama")
-    serve.run(build_app({"model": tiny, "served_model_name": "tiny", "dtype": "float32", "num_kv_blocks": 64,
-                         "max_model_len": 256, "api_key": "s3cret", "max_request_body_bytes": 4096,
-                         "max_num_seqs": 1, "max_waiting_requests": 1, "torch_threads": 1}),
-              name="secure", route_prefix="/secure", blocking=False)
-    base = f"http://127.0.0.1:{port}"
-    wait_until_serving([f"{base}/health", f"{base}/secure/health", f"{base}/v1/models"], 300, "the serve apps")
-    yield base
-    serve.shutdown()
-    ray.shutdown()
+    with local_serve(num_cpus=8) as base:
+        serve.run(build_app({"model": "default", "num_kv_blocks": 256, "max_model_len": 1024, "torch_threads": 1,
+                             "engine_num_cpus": 1}), name="main", route_prefix="/", blocking=False)
+        tiny = make_tiny_model("llama")
+        serve.run(build_app({"model": tiny, "served_model_name": "tiny", "dtype": "float32", "num_kv_blocks": 64,
+                             "max_model_len": 256, "api_key": "s3cret", "max_request_body_bytes": 4096,
+                             "max_num_seqs": 1, "max_waiting_requests": 1, "torch_threads": 1}),
+                  name="secure", route_prefix="/secure", blocking=False)
+        wait_until_serving([f"{base}/health", f"{base}/secure/health", f"{base}/v1/models"], 300, "the serve apps")
+        yield base
 
 
 @pytest.fixture(scope="module")
