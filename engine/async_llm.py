@@ -40,6 +40,7 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.max_model_len = engine.max_model_len
         self.generation_defaults = dict(engine.generation_defaults)
+        self.kv_cache_config = engine.kv_cache_config()
         self._stats = engine.stats()
         self._dead: str | None = None  # why the engine loop died
         self._commands: queue.Queue = queue.Queue()

@@ -6,6 +6,7 @@ it from one background thread and publishes the `stats()` snapshot it takes afte
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import time
@@ -49,6 +50,10 @@ class EngineStats:
     step_seconds_total: float = 0.0  # time spent in steps (schedule, forward, sample, update)
     last_step_seconds: float = 0.0
     last_step_num_tokens: int = 0
+    # tokens per step (vLLM's iteration_tokens_total): per bucket of ITERATION_TOKENS_BUCKETS (+ one for more),
+    # how many steps and their tokens
+    iteration_tokens_counts: tuple[int, ...] = ()
+    iteration_tokens_sums: tuple[int, ...] = ()
     is_healthy: bool = True
 
     @classmethod
@@ -64,6 +69,9 @@ class EngineStats:
             prefix_cache_queried_tokens=bm.num_prefix_queried_tokens, prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
             kv_demand_blocks=sch.projected_demand_blocks(), **engine_counts,
         )
+
+
+ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class LLMEngine:
@@ -102,6 +110,8 @@ class LLMEngine:
         self.step_seconds_total = 0.0
         self.last_step_seconds = 0.0
         self.last_step_num_tokens = 0
+        self.iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+        self.iteration_tokens_sums = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
 
     def _eos_token_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -203,6 +213,10 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        now = time.monotonic()
+        for seq in batch.seqs:
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = now
         try:
             sampled = self.runner.execute(batch)
         except Exception as e:  # a failed forward fails the requests in it, and only those
@@ -218,6 +232,9 @@ class LLMEngine:
         self.last_step_seconds = time.perf_counter() - start
         self.step_seconds_total += self.last_step_seconds
         self.last_step_num_tokens = batch.num_tokens
+        bucket = bisect.bisect_left(ITERATION_TOKENS_BUCKETS, batch.num_tokens)
+        self.iteration_tokens_counts[bucket] += 1
+        self.iteration_tokens_sums[bucket] += batch.num_tokens
         return outputs
 
     def _end(self, state: RequestState, reason: str) -> None:
@@ -248,12 +265,22 @@ class LLMEngine:
         return outputs
 
     # ---- introspection ----
+    def kv_cache_config(self) -> dict[str, str]:
+        """The KV cache's fixed facts, in vLLM's cache_config_info names (num_gpu_blocks: blocks of the pool,
+        wherever it lives)."""
+        return {"block_size": str(self.config.block_size), "num_gpu_blocks": str(self.runner.num_kv_blocks),
+                "cache_dtype": str(self.runner.dtype).removeprefix("torch."),
+                "enable_prefix_caching": str(self.config.enable_prefix_caching),
+                "kv_bytes_per_block": str(self.runner.bytes_per_block)}
+
     def stats(self) -> EngineStats:
         """A snapshot; take it on the thread that drives the engine (AsyncLLM publishes one per step)."""
         return EngineStats.from_scheduler(
             self.scheduler, num_prompt_tokens_total=self.num_prompt_tokens_total,
             num_steps_total=self.num_steps_total, step_seconds_total=self.step_seconds_total,
-            last_step_seconds=self.last_step_seconds, last_step_num_tokens=self.last_step_num_tokens)
+            last_step_seconds=self.last_step_seconds, last_step_num_tokens=self.last_step_num_tokens,
+            iteration_tokens_counts=tuple(self.iteration_tokens_counts),
+            iteration_tokens_sums=tuple(self.iteration_tokens_sums))
 
 
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

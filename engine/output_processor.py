@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.detokenizer import IncrementalDetokenizer, find_stop_string, stream_safe_length
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
 from engine.scheduler import Scheduler
 from engine.sequence import Logprob, Sequence
@@ -27,6 +27,7 @@ class RequestState:
     seqs: list[Sequence]
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    last_token_time: float | None = None
     sent_chars: list[int] = field(init=False)  # per sample: text already handed out (DELTA)
     sent_tokens: list[int] = field(init=False)  # per sample: output tokens (and logprobs) already handed out
     sent_finish: list[bool] = field(init=False)  # per sample: its finish_reason already handed out
@@ -63,6 +64,7 @@ class OutputProcessor:
             self._detokenize(seq)
             state = self.requests[seq.request_id]
             state.first_token_time = state.first_token_time or now
+            state.last_token_time = now
             touched[seq.request_id] = state
         outputs = []
         for request_id, state in touched.items():
@@ -138,4 +140,13 @@ class OutputProcessor:
         if not completions and not state.finished:
             return None
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
-                             finished=state.finished, num_cached_tokens=state.seqs[0].num_cached_tokens)
+                             finished=state.finished, num_cached_tokens=state.seqs[0].num_cached_tokens,
+                             metrics=_metrics(state) if state.finished else None)
+
+
+def _metrics(state: RequestState) -> RequestMetrics | None:
+    scheduled = [s.first_scheduled_time for s in state.seqs if s.first_scheduled_time is not None]
+    if state.first_token_time is None or not scheduled:  # ended before its first token (abort, failure)
+        return None
+    return RequestMetrics(state.arrival_time, min(scheduled), state.first_token_time, state.last_token_time,
+                          sum(s.num_output_tokens for s in state.seqs))

@@ -28,6 +28,34 @@ class CompletionOutput:
 
 
 @dataclass
+class RequestMetrics:
+    """When a request passed each stage, by the engine's monotonic clock (vLLM's RequestStateStats): added,
+    first scheduled (queue time ends), first token (prefill ends), last token. Set on its final output."""
+
+    arrival_time: float
+    first_scheduled_time: float
+    first_token_time: float
+    last_token_time: float
+    num_generation_tokens: int  # over all n samples
+
+    @property
+    def queue_time(self) -> float:
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float:
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def decode_time(self) -> float:
+        return self.last_token_time - self.first_token_time
+
+    @property
+    def inference_time(self) -> float:
+        return self.last_token_time - self.first_scheduled_time
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -36,6 +64,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed this request
+    metrics: RequestMetrics | None = None  # on the final output of a request that got at least one token
 
 
 def merge_delta(older: RequestOutput, newer: RequestOutput) -> RequestOutput:

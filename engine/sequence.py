@@ -45,6 +45,7 @@ class Sequence:
     parent: Sequence | None = None  # n > 1: sample 0, whose computed prompt blocks this one shares
     num_preemptions: int = 0
     arrival: int = field(default_factory=lambda: next(_arrival_counter))
+    first_scheduled_time: float | None = None  # monotonic; stamped by the engine at the first step it is in
     # output side, filled by the engine
     output_text: str = ""
     logprobs: list[dict[int, Logprob]] | None = None

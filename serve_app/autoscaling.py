@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from typing import Any
 
 logger = logging.getLogger("ray.serve")
 
 POLICY = "serve_app.autoscaling:KVAutoscalingPolicy"
+AUTOSCALER_REPORT_S = 5.0  # the policy's decision reaches /metrics on every change and at least this often
 
 
 def autoscaling_metrics(stats: Any, num_preempted: int) -> dict[str, float]:
@@ -62,30 +64,37 @@ def kv_autoscaling_policy(ctx: Any, target_utilization: float = 0.75, downscale_
         target = max(ctx.target_num_replicas or current, current)
         settled = now - (ctx.last_scale_up_time or -math.inf) >= pressure_settle_s
         extra = current + 1 if settled and target == current else target
-        return _decide(clamp(max(needed, extra)), current, "requests wait for KV blocks or were preempted",
-                       state, demand, needed)
+        return _decide(clamp(max(needed, extra)), current, "kv_pressure",
+                       "requests wait for KV blocks or were preempted", state, demand, needed)
     if needed >= current:  # the whole fleet is needed: not quiet
         state["last_pressure_time"] = now
     if needed > current:
-        return _decide(clamp(needed), current, "projected KV demand is over target", state, demand, needed)
+        return _decide(clamp(needed), current, "kv_demand", "projected KV demand is over target", state, demand,
+                       needed)
     # Down only after a quiet period since the last pressure and since the last step down, and then to
     # what the demand needs at target utilization (not below it). The answer stays the same on every call
     # of that stretch: Ray applies it only once it has held for downscale_delay_s.
     quiet_since = max(state.get("last_pressure_time", -math.inf), ctx.last_scale_down_time or -math.inf)
     if needed < current and now - quiet_since >= downscale_quiet_s:
-        return _decide(clamp(needed), current, f"quiet for {downscale_quiet_s:.0f} s and demand fits fewer",
-                       state, demand, needed)
+        return _decide(clamp(needed), current, "quiet", f"quiet for {downscale_quiet_s:.0f} s and demand fits "
+                       "fewer", state, demand, needed)
+    state["last_look"] = {"demand": demand, "needed": needed}
+    state["last_logged"] = None  # a later change, even the same as an earlier one, is a new decision
     return clamp(current), state
 
 
-def _decide(desired: int, current: int, why: str, state: dict[str, Any], demand: float,
+def _decide(desired: int, current: int, reason: str, why: str, state: dict[str, Any], demand: float,
             needed: int) -> tuple[int, dict[str, Any]]:
-    """Returns the decision, logging it (once per change) in words for whoever reads the controller log."""
+    """Returns the decision, logging it (once per change) in words for whoever reads the controller log and
+    counting it by direction and reason (state["decisions"], which /metrics shows)."""
     change = f"{current}->{desired}"
+    state["last_look"] = {"demand": demand, "needed": needed}
     if desired != current and state.get("last_logged") != change:
         logger.info(f"kvscale autoscaling: {current} -> {desired} replicas: {why} "
                     f"(projected demand {demand:.0f} blocks = {needed} replicas at target utilization)")
         state["last_logged"] = change
+        key = f"{'up' if desired > current else 'down'}:{reason}"
+        state["decisions"] = {**state.get("decisions", {}), key: state.get("decisions", {}).get(key, 0) + 1}
     return desired, state
 
 
@@ -102,9 +111,38 @@ class KVAutoscalingPolicy:
 
     def __init__(self, **policy_kwargs: Any) -> None:
         self.policy_kwargs = policy_kwargs
+        self._board = None
+        self._reported: tuple[float, tuple] = (-math.inf, ())  # (when, what) the board last got
 
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
-        return kv_autoscaling_policy(ctx, **self.policy_kwargs)
+        desired, state = kv_autoscaling_policy(ctx, **self.policy_kwargs)
+        self._report(ctx, desired, state)
+        return desired, state
+
+    def _report(self, ctx: Any, desired: int, state: dict[str, Any]) -> None:
+        """The decision to the app's stats board (for /metrics), on every change and every AUTOSCALER_REPORT_S;
+        never in the way of the decision itself."""
+        look = state.get("last_look", {})
+        report = {"autoscaler_current_replicas": ctx.current_num_replicas, "autoscaler_desired_replicas": desired,
+                  "autoscaler_demand_blocks": look.get("demand", 0.0),
+                  "autoscaler_needed_replicas": look.get("needed", 0), "decisions": state.get("decisions", {})}
+        what = (ctx.current_num_replicas, desired, round(report["autoscaler_demand_blocks"]),
+                tuple(sorted(report["decisions"].items())))
+        now = time.monotonic()
+        if what == self._reported[1] and now - self._reported[0] < AUTOSCALER_REPORT_S:
+            return
+        try:
+            import ray
+
+            from serve_app.metrics import BOARD_NAMESPACE, board_name
+
+            if self._board is None:
+                self._board = ray.get_actor(board_name(ctx.app_name), namespace=BOARD_NAMESPACE)
+            self._board.put_autoscaler.remote(report)
+            self._reported = (now, what)
+        except Exception:  # no board yet (the ingress makes it), or it went with its owner: look again next time
+            self._board = None
+            self._reported = (now, ())
 
 
 def autoscaling_config(config: Any) -> dict[str, Any]:

@@ -193,7 +193,13 @@ class OpenAIIngress:
 
     @fastapi_app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        return PlainTextResponse(render(await self._snapshots()), media_type="text/plain; version=0.0.4")
+        try:
+            snapshots, autoscaler = await self._board.get_metrics.remote()
+        except ray.exceptions.RayActorError:  # its owner went away; the replicas report to a new one
+            self._board = get_board(replica_identity()[1])
+            snapshots, autoscaler = await self._board.get_metrics.remote()
+        return PlainTextResponse(render(snapshots, autoscaler, self.model_name),
+                                 media_type="text/plain; version=0.0.4")
 
     def _model_card(self, info: dict[str, Any] | None) -> dict[str, Any]:
         card = {"id": self.model_name, "object": "model", "created": 0, "owned_by": "kvscale"}

@@ -25,8 +25,7 @@ from serve_app.autoscaling import autoscaling_metrics
 from serve_app.chat_output import render_tool_messages
 from serve_app.config import ServeConfig
 from serve_app.messages import ChoiceDelta, ErrorMessage, GenerateRequest, OutputDelta, TokenLogprob
-from serve_app.metrics import (E2E_BUCKETS, ITL_BUCKETS, REPORT_INTERVAL_S, TTFT_BUCKETS, Histogram, get_board,
-                               replica_identity)
+from serve_app.metrics import REPORT_INTERVAL_S, ReplicaMetrics, get_board, replica_identity
 from serve_app.protocol import APIError
 from serve_app.router import prefix_fingerprint, routing_stats
 
@@ -49,10 +48,7 @@ class EngineServer:
         self.tokenizer = self.llm.get_tokenizer()
         self._template_knows_tools = "tools" in str(getattr(self.tokenizer, "chat_template", "") or "")
         self.replica_id, self.app_name = replica_identity()
-        self.ttft = Histogram(TTFT_BUCKETS)
-        self.itl = Histogram(ITL_BUCKETS)
-        self.e2e = Histogram(E2E_BUCKETS)
-        self.finished: dict[str, int] = {}
+        self.metrics = ReplicaMetrics()
         self._preemptions_reported = 0
         self._num_unstarted = 0  # requests in generate() that have not had their first token yet
         self._recent_prefixes: OrderedDict[str, None] = OrderedDict()  # prompt fingerprints, LRU, for routing
@@ -136,7 +132,7 @@ class EngineServer:
                 now = time.monotonic()
                 n_new = sum(len(c.token_ids) for c in out.outputs)
                 if n_new and not first_seen:
-                    self.ttft.observe(held + now - start)
+                    self.metrics.observe("time_to_first_token_seconds", held + now - start)
                     first_seen = True
                     self._num_unstarted -= 1
                 for c in out.outputs:  # each sample is its own stream: time between its own tokens
@@ -144,9 +140,9 @@ class EngineServer:
                         continue
                     k = len(c.token_ids)
                     if c.index in sample_last:
-                        self.itl.observe((now - sample_last[c.index]) / k, k)
+                        self.metrics.observe("inter_token_latency_seconds", (now - sample_last[c.index]) / k, k)
                     elif k > 1:  # its first token starts its clock; the rest came within this interval
-                        self.itl.observe((now - last) / k, k - 1)
+                        self.metrics.observe("inter_token_latency_seconds", (now - last) / k, k - 1)
                     sample_last[c.index] = now
                 last = now
                 yield OutputDelta([_choice(c, params.logprobs) for c in out.outputs], out.finished,
@@ -156,8 +152,10 @@ class EngineServer:
                         reasons[c.index] = c.finish_reason
                 if out.finished:  # one request, counted once, by its first sample's reason
                     reason = reasons.get(0) or next(iter(reasons.values()), "abort")
-                    self.finished[reason] = self.finished.get(reason, 0) + 1
-                    self.e2e.observe(held + now - start)
+                    self.metrics.request_finished(
+                        reason, n=params.n, max_tokens=params.max_tokens or self.llm.max_model_len - len(
+                            out.prompt_token_ids), num_prompt_tokens=len(out.prompt_token_ids), held=held, start=start,
+                        end=now, metrics=out.metrics)
         except ValueError as e:
             yield ErrorMessage.of(_refusal(str(e), req.kind))
         except RuntimeError as e:
@@ -179,22 +177,9 @@ class EngineServer:
     # ---- stats ----
     def stats(self) -> dict[str, Any]:
         s = self.llm.stats()
-        used = s.num_total_blocks - s.num_free_blocks
-        return {
-            "gauges": {"kv_cache_usage_perc": used / s.num_total_blocks, "num_total_blocks": s.num_total_blocks,
-                       "num_free_blocks": s.num_free_blocks, "num_cached_blocks": s.num_cached_free_blocks,
-                       "num_requests_running": s.num_running, "num_requests_waiting": s.num_waiting},
-            "counters": {"num_preemptions": s.num_preemptions_total, "prompt_tokens": s.num_prompt_tokens_total,
-                         "generation_tokens": s.num_generation_tokens_total,
-                         "prefix_cache_queries": s.prefix_cache_queried_tokens,
-                         "prefix_cache_hits": s.prefix_cache_hit_tokens},
-            "histograms": {"time_to_first_token_seconds": self.ttft.snapshot(),
-                           "inter_token_latency_seconds": self.itl.snapshot(),
-                           "e2e_request_latency_seconds": self.e2e.snapshot()},
-            "finished": dict(self.finished),
-            "block_size": s.block_size, "max_model_len": self.llm.max_model_len,
-            "healthy": s.is_healthy and self.llm.is_healthy,
-        }
+        return self.metrics.snapshot(s, cache_config=self.llm.kv_cache_config,
+                                     max_model_len=self.llm.max_model_len,
+                                     healthy=s.is_healthy and self.llm.is_healthy)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom-metrics hook: what serve_app.autoscaling's policy reads. Plain floats only."""

@@ -20,6 +20,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import threading
 import time
 
@@ -252,6 +253,15 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
               f"back to 1 replica {t3 - t2:.0f} s after the long phase")
         down_at = next((t for t, n in watch.samples if t > t2 and n == 1), t3)  # the watcher may not have sampled it yet
         assert down_at < drain_end, "the scale-down should have happened while both streams were in flight"
+        # /metrics shows the policy's decisions, each counted once, with the resource that bound it
+        decisions = {}
+        for line in httpx.get(f"{cluster}/kv/metrics", timeout=10).text.splitlines():
+            if line.startswith("kvscale:autoscaler_decisions_total{"):
+                labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+                decisions[(labels["direction"], labels["reason"])] = float(line.rsplit(" ", 1)[1])
+        n_up = sum(v for (d, _), v in decisions.items() if d == "up")
+        n_down = sum(v for (d, _), v in decisions.items() if d == "down")
+        assert n_up >= 1 and n_down >= 1 and ("down", "quiet") in decisions, decisions
     finally:
         watch.stop()
         serve.delete("kv")

@@ -387,6 +387,11 @@ def test_ttft_counts_time_held_before_the_replica_and_n_counts_once(cluster, mak
     total = sum(v for k, v in ttft.items() if k.startswith("kvscale:time_to_first_token_seconds_sum"))
     # 100 steps of 20 ms: the first request holds the replica ~2 s, all of which the second spent waiting
     assert total >= 1.5, f"TTFT sum {total:.2f} s does not include the wait in the ingress (run took {elapsed:.1f} s)"
+    queue = _metric(base, "request_queue_time_seconds_sum")
+    assert sum(queue.values()) >= 1.5, f"queue time {queue} does not include the wait in the ingress"
+    decode = sum(_metric(base, "request_decode_time_seconds_sum").values())
+    assert decode >= 2 * 99 * 0.02 * 0.9, f"decode time {decode:.2f} s for 2 x 99 steps of 20 ms"
+    assert sum(_metric(base, "request_generation_tokens_sum").values()) == 200
 
     before = sum(_metric(base, "request_success").values())
     itl_before = _metric(base, "inter_token_latency_seconds")
@@ -395,6 +400,12 @@ def test_ttft_counts_time_held_before_the_replica_and_n_counts_once(cluster, mak
     assert r.status_code == 200
     time.sleep(1.5)
     assert sum(_metric(base, "request_success").values()) - before == 1
+    assert sum(_metric(base, "request_params_n_sum").values()) == 1 + 1 + 3
+    assert sum(_metric(base, "request_generation_tokens_sum").values()) == 200 + 3 * 20
+    text = httpx.get(f"{base}/metrics", timeout=10).text
+    series = [line for line in text.splitlines() if line.startswith("kvscale:")]
+    assert series and all('model_name="tiny"' in line for line in series)
+    assert 'num_gpu_blocks="64"' in text and "kvscale:num_replicas{model_name=\"tiny\"} 1.0" in text
     itl = _metric(base, "inter_token_latency_seconds")
     count = sum(v - itl_before.get(k, 0) for k, v in itl.items() if "_count" in k)
     total = sum(v - itl_before.get(k, 0) for k, v in itl.items() if "_sum" in k)
