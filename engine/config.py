@@ -22,6 +22,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # token budget of one step (prefills are chunked by it)
     max_model_len: int | None = None  # longest prompt + output; None: min(model's max positions, KV pool tokens)
     enable_prefix_caching: bool = True  # reuse KV blocks of shared prompt prefixes
+    # what the KV pool stores: "auto" (the model's dtype) | "fp8_e4m3" | "fp8_e5m2" (1 byte an element, per-layer
+    # scales calibrated at start-up: kernels/kv_cache.py); "fp8" means fp8_e4m3
+    kv_cache_dtype: str = "auto"
     seed: int = 0  # seed of the sampler for unseeded requests
     kv_cache_bytes: int | None = None  # CPU budget for the KV pool; None: DEFAULT_CPU_KV_CACHE_BYTES
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # CUDA: fraction of the device's memory
@@ -35,6 +38,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}")
+        if self.kv_cache_dtype == "fp8":
+            self.kv_cache_dtype = "fp8_e4m3"
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(f"kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2; got {self.kv_cache_dtype!r}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
         if self.block_size not in (8, 16, 32, 64, 128):

@@ -71,6 +71,26 @@ class EngineStats:
         )
 
 
+# What an fp8 KV cache's scales are calibrated on at start-up: prose, a chat turn, code and numbers, so every
+# layer sees the kinds of K and V that serving will write.
+KV_CALIBRATION_TEXT = """The river rose through the night, and by morning the lower fields were a grey lake. Farmers \
+moved the animals to the ridge while the children carried sacks of grain up the stairs of the mill.
+User: Can you explain why the sky looks blue during the day but red at sunset?
+Assistant: Sunlight scatters off the molecules of the air, and short wavelengths scatter far more than long ones, so \
+blue light reaches us from every direction. At sunset the light crosses much more air, the blue is scattered away \
+before it arrives, and the reds and oranges remain.
+def merge(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+Quarterly revenue was 4,812,330 EUR (up 12.5 %), with 1,024 new accounts, 87 % retention and a churn of 3.1 %. \
+SELECT id, name FROM users WHERE created_at > '2024-01-01' ORDER BY id LIMIT 50; {"ok": true, "items": [1, 2, 3]}
+"""
+
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
@@ -100,6 +120,7 @@ class LLMEngine:
         if self.max_model_len > max_positions:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({max_positions})")
+        self.runner.calibrate_kv_scales(self.tokenizer.encode(KV_CALIBRATION_TEXT))
         self.runner.capture_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -269,7 +290,7 @@ class LLMEngine:
         """The KV cache's fixed facts, in vLLM's cache_config_info names (num_gpu_blocks: blocks of the pool,
         wherever it lives)."""
         return {"block_size": str(self.config.block_size), "num_gpu_blocks": str(self.runner.num_kv_blocks),
-                "cache_dtype": str(self.runner.dtype).removeprefix("torch."),
+                "cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
                 "enable_prefix_caching": str(self.config.enable_prefix_caching),
                 "kv_bytes_per_block": str(self.runner.bytes_per_block)}
 

@@ -20,6 +20,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from kernels import AttentionMetadata, select_ops
+from kernels.kv_cache import KV_CACHE_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -73,22 +74,69 @@ class ModelRunner:
         # what a fake step (config.fake_step_s) samples: an ordinary token, never an end of sequence
         self.fake_token = next(t for t in range(100, self.vocab_size) if t not in eos_token_ids)
         self.attention_scratch: dict = {}  # reused gather buffers of the CPU attention (AttentionMetadata.scratch)
+        # what the KV pool stores: the model's dtype, or fp8 (kernels.kv_cache: quantized with per-layer scales)
+        self.kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_budget()
         # (layers, K/V, blocks, block_size, kv_heads, head_dim): the one large allocation besides weights
         self.kv_cache = torch.zeros(
             self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-            dtype=self.dtype, device=self.device,
+            dtype=self.kv_dtype, device=self.device,
         )
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
         self.graphs = None  # DecodeGraphs once capture_decode_graphs has run (CUDA + Triton, not enforce_eager)
         logger.info("ops: %s backend: %s", self.ops.name, self.ops.description)
-        logger.info("model on %s in %s; KV pool %d blocks x %d tokens (%.1f MiB)", self.device, self.dtype,
-                    self.num_kv_blocks, self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+        logger.info("model on %s in %s; KV cache in %s: %d bytes per token, pool %d blocks x %d tokens (%.1f MiB)",
+                    self.device, self.dtype, str(self.kv_dtype).removeprefix("torch."),
+                    self.bytes_per_block // self.block_size, self.num_kv_blocks, self.block_size,
+                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty(0, dtype=self.dtype).element_size()
+        """The seed's M = 2 * L * H_kv * d_head * T * b for one block of T tokens, b the KV dtype's bytes."""
+        elem = torch.empty(0, dtype=self.kv_dtype).element_size()
         return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def attention_layers(self) -> list[Any]:
+        from engine.models.layers import Attention
+
+        return [m for m in self.model.modules() if isinstance(m, Attention)]
+
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int], chunk: int | None = None) -> torch.Tensor:
+        """(T, vocab) float32: the next-token logits after every prefix of token_ids, through the KV pool's first
+        blocks, in forwards of `chunk` tokens (None: one; 1: as decoding reads them, every earlier token from the
+        cache). Only while no request holds blocks (start-up, tests, benchmarks)."""
+        num_blocks = -(-len(token_ids) // self.block_size)
+        if num_blocks > self.num_kv_blocks:
+            raise ValueError(f"{len(token_ids)} tokens need {num_blocks} KV blocks; the pool has {self.num_kv_blocks}")
+        seq = Sequence("prompt-logits", 0, list(token_ids), SamplingParams(max_tokens=1))
+        seq.block_ids = list(range(num_blocks))
+        logits = []
+        for start in range(0, len(token_ids), chunk or len(token_ids)):
+            seq.num_computed_tokens = start
+            batch = ScheduledBatch()
+            batch.seqs.append(seq)
+            batch.num_new_tokens.append(min(chunk or len(token_ids), len(token_ids) - start))
+            input_ids, positions, meta, _, _ = self.prepare(batch)
+            logits.append(self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, meta)))
+        return torch.cat(logits)
+
+    def calibrate_kv_scales(self, token_ids: list[int]) -> None:
+        """fp8 KV: each attention layer's per-tensor K and V scales from one forward over token_ids (each layer
+        sets its own from the K and V it writes, so later layers see a well-scaled cache), fixed from then on."""
+        if self.kv_dtype == self.dtype:
+            return
+        layers = self.attention_layers()
+        for layer in layers:
+            layer.calibrate_kv = True
+        try:
+            self.prompt_logits(token_ids[: self.num_kv_blocks * self.block_size])
+        finally:
+            for layer in layers:
+                layer.calibrate_kv = False
+        k, v = [lay.k_scale for lay in layers], [lay.v_scale for lay in layers]
+        logger.info("fp8 KV scales from %d calibration tokens: k %.3g..%.3g, v %.3g..%.3g", len(token_ids),
+                    min(k), max(k), min(v), max(v))
 
     def _blocks_from_budget(self) -> int:
         if self.device.type == "cuda":
@@ -121,7 +169,7 @@ class ModelRunner:
     def run_warmup(self, batch: ScheduledBatch, num_blocks: int) -> None:
         """Run `batch` (from warmup_batch) against a scratch KV pool of num_blocks blocks, then drop the pool."""
         scratch = torch.zeros(self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                              dtype=self.dtype, device=self.device)
+                              dtype=self.kv_dtype, device=self.device)
         saved = getattr(self, "kv_caches", None)
         self.kv_caches = [(scratch[i, 0], scratch[i, 1]) for i in range(self.num_layers)]
         try:

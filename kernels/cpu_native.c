@@ -259,10 +259,23 @@ void kvs_rotary(const void *x, void *out, const long *positions, const float *co
  * scores 8 keys at a time for every query head while those 8 K rows sit in L1, an exact softmax over the
  * score buffer, then V in chunks of 64 rows (in L1/L2) added into every head's output vector by vector. */
 #define KVS_V_CHUNK 64
+/* K/V element loads: the cache holds the query's dtype (fp8 = 0), or fp8 codes read through `table` (their 256
+ * fp32 values, as torch converts them); the fp8 scales are folded in by the caller (scores, output) */
+KVS_INLINE float ldkv1(const void *p, long i, int bf, int fp8, const float *table) {
+    return fp8 ? table[((const uint8_t *)p)[i]] : ld1(p, i, bf);
+}
+KVS_INLINE __m256 ldkv8(const void *p, long i, int bf, int fp8, const float *table) {
+    if (!fp8) return ld8(p, i, bf);
+    __m128i codes = _mm_loadl_epi64((const __m128i *)((const uint8_t *)p + i));
+    return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(codes), 4);
+}
+
 KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void *v_cache, void *out,
                                   const int *block_tables, long bt_stride, const long *rows, const long *tokens,
                                   const long *ctx_lens, long n, long num_heads, long num_kv_heads, long head_dim,
-                                  long block_size, long window, float scale, int threads, int bf) {
+                                  long block_size, long window, float scale, float v_scale, const float *table,
+                                  const void *key, const void *value, long stride_k, long stride_v,
+                                  float inv_k_scale, float inv_v_scale, int threads, int bf, int fp8) {
     long group = num_heads / num_kv_heads, kv_row = num_kv_heads * head_dim;
     long splits = n < 2 * threads ? num_kv_heads : 1, per_task = num_kv_heads / splits;
     int vec = head_dim % 8 == 0;
@@ -280,9 +293,11 @@ KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void
             long p = lo + j;
             off[j] = ((long)bt[p / block_size] * block_size + p % block_size) * kv_row + h0 * head_dim;
         }
+        /* with `key`, the row's own token (the last key) comes from key/value as written, not from the pages */
+        long cached = key ? len - 1 : len;
         long j = 0;
         if (vec) {
-            for (; j + 8 <= len; j += 8) {
+            for (; j + 8 <= cached; j += 8) {
                 for (long x = 0; x < heads; x++) {  /* query head x reads KV head x / group of this task */
                     long qx = q0 + x * head_dim, kh = (x / group) * head_dim;
                     __m256 a[8];
@@ -290,18 +305,25 @@ KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void
                     for (long d = 0; d < head_dim; d += 8) {
                         __m256 qv = ld8(q, qx + d, bf);
                         for (int k = 0; k < 8; k++)
-                            a[k] = _mm256_fmadd_ps(ld8(k_cache, off[j + k] + kh + d, bf), qv, a[k]);
+                            a[k] = _mm256_fmadd_ps(ldkv8(k_cache, off[j + k] + kh + d, bf, fp8, table), qv, a[k]);
                     }
                     _mm256_storeu_ps(s + x * len + j, _mm256_mul_ps(hsum8(a), _mm256_set1_ps(scale)));
                 }
             }
         }
-        for (; j < len; j++)
+        for (; j < cached; j++)
             for (long x = 0; x < heads; x++) {
                 long qx = q0 + x * head_dim, kx = off[j] + (x / group) * head_dim;
                 float dot = 0.0f;
-                for (long d = 0; d < head_dim; d++) dot += ld1(q, qx + d, bf) * ld1(k_cache, kx + d, bf);
+                for (long d = 0; d < head_dim; d++) dot += ld1(q, qx + d, bf) * ldkv1(k_cache, kx + d, bf, fp8, table);
                 s[x * len + j] = dot * scale;
+            }
+        if (key)  /* in the cache's units: the scores' scale carries k_scale */
+            for (long x = 0; x < heads; x++) {
+                long qx = q0 + x * head_dim, kx = tokens[i] * stride_k + (h0 + x / group) * head_dim;
+                float dot = 0.0f;
+                for (long d = 0; d < head_dim; d++) dot += ld1(q, qx + d, bf) * ld1(key, kx + d, bf);
+                s[x * len + len - 1] = dot * inv_k_scale * scale;
             }
         for (long x = 0; x < heads; x++) {
             float *sx = s + x * len, m = -INFINITY, sum = 0.0f;
@@ -318,8 +340,8 @@ KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void
             float inv = 1.0f / sum;
             for (t = 0; t < len; t++) sx[t] *= inv;
         }
-        for (long j0 = 0; j0 < len; j0 += KVS_V_CHUNK) {
-            long j1 = j0 + KVS_V_CHUNK < len ? j0 + KVS_V_CHUNK : len;
+        for (long j0 = 0; j0 < cached; j0 += KVS_V_CHUNK) {
+            long j1 = j0 + KVS_V_CHUNK < cached ? j0 + KVS_V_CHUNK : cached;
             for (long x = 0; x < heads; x++) {
                 const float *w = s + x * len;
                 long vh = (x / group) * head_dim;
@@ -331,37 +353,47 @@ KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void
                         __m256 c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
                         long t = j0;
                         for (; t + 4 <= j1; t += 4) {
-                            c0 = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), ld8(v_cache, vh + off[t] + d, bf), c0);
-                            c1 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 1]), ld8(v_cache, vh + off[t + 1] + d, bf), c1);
-                            c2 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 2]), ld8(v_cache, vh + off[t + 2] + d, bf), c2);
-                            c3 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 3]), ld8(v_cache, vh + off[t + 3] + d, bf), c3);
+                            c0 = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), ldkv8(v_cache, vh + off[t] + d, bf, fp8, table), c0);
+                            c1 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 1]), ldkv8(v_cache, vh + off[t + 1] + d, bf, fp8, table), c1);
+                            c2 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 2]), ldkv8(v_cache, vh + off[t + 2] + d, bf, fp8, table), c2);
+                            c3 = _mm256_fmadd_ps(_mm256_set1_ps(w[t + 3]), ldkv8(v_cache, vh + off[t + 3] + d, bf, fp8, table), c3);
                         }
                         for (; t < j1; t++)
-                            c0 = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), ld8(v_cache, vh + off[t] + d, bf), c0);
+                            c0 = _mm256_fmadd_ps(_mm256_set1_ps(w[t]), ldkv8(v_cache, vh + off[t] + d, bf, fp8, table), c0);
                         _mm256_storeu_ps(a + d, _mm256_add_ps(_mm256_add_ps(c0, c1), _mm256_add_ps(c2, c3)));
                     }
                 }
                 for (; d < head_dim; d++)  /* head_dim not a multiple of 8 */
-                    for (long t = j0; t < j1; t++) a[d] += w[t] * ld1(v_cache, vh + off[t] + d, bf);
+                    for (long t = j0; t < j1; t++) a[d] += w[t] * ldkv1(v_cache, vh + off[t] + d, bf, fp8, table);
             }
         }
-        for (long e = 0; e < heads * head_dim; e++) st1(out, q0 + e, acc[e], bf);
+        if (value)  /* in the cache's units: the output's scale carries v_scale */
+            for (long x = 0; x < heads; x++) {
+                float w = s[x * len + len - 1] * inv_v_scale;
+                long vx = tokens[i] * stride_v + (h0 + x / group) * head_dim;
+                for (long d = 0; d < head_dim; d++) acc[x * head_dim + d] += w * ld1(value, vx + d, bf);
+            }
+        for (long e = 0; e < heads * head_dim; e++) st1(out, q0 + e, acc[e] * v_scale, bf);
         free(off);
         free(s);
         free(acc);
     }
 }
 
+/* scale: the softmax scale times the fp8 k_scale; out = attention * v_scale; fp8_table: NULL when the cache holds
+ * the query's dtype, else the fp8 codes' values; key/value (the query's dtype, rows stride_k / stride_v elements
+ * apart; NULL: none): this step's own K/V, each row's own token read from there as written */
 void kvs_paged_decode(const void *q, const void *k_cache, const void *v_cache, void *out, const int *block_tables,
                       long bt_stride, const long *rows, const long *tokens, const long *ctx_lens, long n,
                       long num_heads, long num_kv_heads, long head_dim, long block_size, long window, float scale,
-                      int bf, int threads) {
-    if (bf)
-        paged_decode_body(q, k_cache, v_cache, out, block_tables, bt_stride, rows, tokens, ctx_lens, n, num_heads,
-                          num_kv_heads, head_dim, block_size, window, scale, threads, 1);
-    else
-        paged_decode_body(q, k_cache, v_cache, out, block_tables, bt_stride, rows, tokens, ctx_lens, n, num_heads,
-                          num_kv_heads, head_dim, block_size, window, scale, threads, 0);
+                      float v_scale, const float *fp8_table, const void *key, const void *value, long stride_k,
+                      long stride_v, float inv_k_scale, float inv_v_scale, int bf, int threads) {
+#define KVS_DECODE(BF, FP8) paged_decode_body(q, k_cache, v_cache, out, block_tables, bt_stride, rows, tokens, \
+    ctx_lens, n, num_heads, num_kv_heads, head_dim, block_size, window, scale, v_scale, fp8_table, key, value, \
+    stride_k, stride_v, inv_k_scale, inv_v_scale, threads, BF, FP8)
+    if (fp8_table) { if (bf) KVS_DECODE(1, 1); else KVS_DECODE(0, 1); }
+    else { if (bf) KVS_DECODE(1, 0); else KVS_DECODE(0, 0); }
+#undef KVS_DECODE
 }
 
 /* KV write: row t of key/value (row_bytes contiguous bytes, rows stride_k / stride_v bytes apart) into cache slot

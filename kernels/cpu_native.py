@@ -122,7 +122,8 @@ def native() -> ctypes.CDLL | None:
         "kvs_linear_bf16": [P] * 4 + [L] * 3 + [I],
         "kvs_rms_norm": [P] * 5 + [L] * 4 + [ctypes.c_float, I, I],
         "kvs_rotary": [P] * 5 + [L] * 6 + [I, I],
-        "kvs_paged_decode": [P] * 5 + [L] + [P] * 3 + [L] * 6 + [ctypes.c_float, I, I],
+        "kvs_paged_decode": [P] * 5 + [L] + [P] * 3 + [L] * 6 + [ctypes.c_float, ctypes.c_float] + [P] * 3 + [L] * 2
+                            + [ctypes.c_float, ctypes.c_float, I, I],
         "kvs_write_kv": [P] * 5 + [L] * 4,
         "kvs_silu_mul": [P] * 2 + [L] * 3 + [I, I],
     }

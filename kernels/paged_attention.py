@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu_native import native, native_dtype
+from kernels.kv_cache import dequantize, fp8_table, gather_blocks, is_fp8, write_kv_ref
 from kernels.metadata import AttentionMetadata
 
 
@@ -42,7 +43,15 @@ def paged_attention_ref(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,  # fp8 caches: what they hold is dequantized (fp8 * scale, kernels.kv_cache) first
+    v_scale: float = 1.0,
+    key: torch.Tensor | None = None,  # (T, Hkv, D): this step's own K/V, which an fp8 cache's readers attend to
+    value: torch.Tensor | None = None,  # exactly (as written, not as stored); other tokens come from the cache
 ) -> torch.Tensor:  # (T, H, D)
+    if is_fp8(k_cache):
+        k_cache, v_cache = dequantize(k_cache, k_scale, q.dtype), dequantize(v_cache, v_scale, q.dtype)
+        if key is not None:
+            write_kv_ref(key, value, k_cache, v_cache, meta.slot_mapping)
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -115,6 +124,7 @@ class DecodeGroup(NamedTuple):
     block_ids: torch.Tensor  # (Bg * num_blocks,) int64
     num_blocks: int
     mask: torch.Tensor | None  # (Bg, 1, 1, Lk) bool; None: every key counts
+    own_positions: torch.Tensor  # (Bg,) int64: each row's own token's position (its context length - 1)
 
 
 class PrefillChunk(NamedTuple):
@@ -157,7 +167,8 @@ def _sdpa_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | N
             if sliding_window is not None:
                 allowed &= key_pos[None, :] > (seq_lens[:, None] - 1 - sliding_window)
             mask = allowed[:, None, None, :]  # (B, 1, 1, Lk)
-        plan.append(DecodeGroup(torch.tensor([starts[b] for b in rows], device=device), ids.to(device), nb, mask))
+        plan.append(DecodeGroup(torch.tensor([starts[b] for b in rows], device=device), ids.to(device), nb, mask,
+                                torch.tensor([n - 1 for n in lens], device=device)))
     for b, q_len in enumerate(meta.query_lens_host):
         if q_len == 1:
             continue
@@ -176,15 +187,17 @@ def _sdpa_plan(meta: AttentionMetadata, block_size: int, sliding_window: int | N
     return plan
 
 
-def _scratch(meta: AttentionMetadata, name: str, num_blocks: int, cache: torch.Tensor) -> torch.Tensor:
+def _scratch(meta: AttentionMetadata, name: str, num_blocks: int, cache: torch.Tensor,
+             dtype: torch.dtype | None = None) -> torch.Tensor:
     """A (num_blocks, block_size, Hkv, D) buffer for gathered blocks, reused by every layer and, through the
     runner's meta.scratch, every step. Past glibc's mmap threshold (32 MiB) a fresh tensor each layer is
     mapped anew and costs more in page faults than the gather's copy itself. It grows with a quarter of headroom
     and stays as large as the largest step's longest group: at most a layer's share of the KV pool."""
-    key = ("paged_attention_gather", name, cache.dtype, cache.device)
+    dtype = dtype or cache.dtype
+    key = ("paged_attention_gather", name, dtype, cache.device)
     buf = meta.scratch.get(key)
     if buf is None or buf.shape[0] < num_blocks or buf.shape[1:] != cache.shape[1:]:
-        buf = torch.empty((num_blocks + num_blocks // 4,) + tuple(cache.shape[1:]), dtype=cache.dtype,
+        buf = torch.empty((num_blocks + num_blocks // 4,) + tuple(cache.shape[1:]), dtype=dtype,
                           device=cache.device)
         meta.scratch[key] = buf
     return buf[:num_blocks]
@@ -197,44 +210,80 @@ def paged_attention_sdpa(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
 ) -> torch.Tensor:  # (T, H, D)
     """The CPU path: the reference's semantics through torch's fused scaled_dot_product_attention, which on
     CPU runs a flash-attention kernel (no (Lq, Lk) score tensor per head in memory, GQA without repeating
     K/V). Decode rows go in groups of similar context length, so little time is spent on padding; each
     group's blocks are gathered with one index_select. In fp32 and bf16, where our C kernels build
-    (kernels/cpu_native.py), decode rows instead go to a paged decode kernel that reads K/V in place.
-    Checked against paged_attention_ref in tests."""
+    (kernels/cpu_native.py), decode rows instead go to a paged decode kernel that reads K/V in place, fp8
+    pages too (through a 256-entry table, the scales folded into the softmax scale and the output). With an fp8
+    cache, this step's own tokens are attended through `key`/`value` as written, as in the reference. Checked
+    against paged_attention_ref in tests."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)
     gqa = num_heads != num_kv_heads
+    fp8 = is_fp8(k_cache)
 
-    def gather(cache: torch.Tensor, ids: torch.Tensor, rows: int, nb: int, name: str) -> torch.Tensor:
-        # (B, Hkv, L, D), copied into a buffer kept across layers and steps (see _scratch)
-        buf = _scratch(meta, name, ids.numel(), cache)
-        torch.index_select(cache, 0, ids, out=buf)
-        return buf.view(rows, nb * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    def gather(cache: torch.Tensor, ids: torch.Tensor, rows: int, nb: int, name: str,
+               own: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        # (B, Hkv, L, D), copied into a buffer kept across layers and steps (see _scratch); fp8 pages are
+        # dequantized to q's dtype on the way, and this step's own tokens (own: their positions in each row,
+        # (B, n), and their rows of key/value, (B, n)) put in as written
+        if fp8:
+            buf = _scratch(meta, name, ids.numel(), cache, q.dtype)
+            buf.copy_(dequantize(gather_blocks(cache, ids), k_scale if name == "k" else v_scale, q.dtype))
+        else:
+            buf = _scratch(meta, name, ids.numel(), cache)
+            torch.index_select(cache, 0, ids, out=buf)
+        buf = buf.view(rows, nb * block_size, num_kv_heads, head_dim)
+        if own is not None:
+            positions, tokens = own
+            buf[torch.arange(rows, device=buf.device)[:, None], positions] = (key if name == "k" else value)[tokens]
+        return buf.transpose(1, 2)
 
-    lib, bf = native(), native_dtype(q, k_cache, v_cache)
+    lib, bf = native(), native_dtype(q)
+    table = None
+    if fp8:
+        table = meta.scratch.get(("fp8_table", k_cache.dtype))
+        if table is None:
+            table = meta.scratch[("fp8_table", k_cache.dtype)] = fp8_table(k_cache.dtype)
     native_decode = (lib is not None and bf is not None and meta.block_tables.device.type == "cpu"
-                     and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
+                     and (fp8 or k_cache.dtype == q.dtype) and v_cache.dtype == k_cache.dtype
+                     and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
+                     and (key is None or not fp8 or (key.dtype == q.dtype and value.dtype == q.dtype
+                                                     and key.stride()[1:] == (head_dim, 1)
+                                                     and value.stride()[1:] == (head_dim, 1))))
+    fresh = fp8 and key is not None  # the C kernel reads each row's own token from key/value
     for step in _sdpa_plan(meta, block_size, sliding_window, q.device, native_decode):
         if isinstance(step, NativeDecode):
             tables, rows, tokens, ctx = step
             lib.kvs_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
                                  tables.data_ptr(), tables.stride(0), rows.data_ptr(), tokens.data_ptr(),
                                  ctx.data_ptr(), len(rows), num_heads, num_kv_heads, head_dim, block_size,
-                                 sliding_window or 0, scale, bf, torch.get_num_threads())
+                                 sliding_window or 0, scale * k_scale, v_scale,
+                                 table.data_ptr() if fp8 else None, key.data_ptr() if fresh else None,
+                                 value.data_ptr() if fresh else None, key.stride(0) if fresh else 0,
+                                 value.stride(0) if fresh else 0, 1.0 / k_scale, 1.0 / v_scale, bf,
+                                 torch.get_num_threads())
         elif isinstance(step, DecodeGroup):
-            token_idx, ids, nb, mask = step
+            token_idx, ids, nb, mask, own_positions = step
             rows = len(token_idx)
-            k, v = gather(k_cache, ids, rows, nb, "k"), gather(v_cache, ids, rows, nb, "v")
+            own = (own_positions[:, None], token_idx[:, None]) if fresh else None
+            k, v = gather(k_cache, ids, rows, nb, "k", own), gather(v_cache, ids, rows, nb, "v", own)
             res = F.scaled_dot_product_attention(q[token_idx].unsqueeze(2), k, v, attn_mask=mask, scale=scale,
                                                  enable_gqa=gqa)  # (B, H, 1, D)
             out[token_idx] = res.squeeze(2)
         else:
             start, q_len, ctx, ids, nb, mask = step
-            k, v = gather(k_cache, ids, 1, nb, "k")[:, :, :ctx], gather(v_cache, ids, 1, nb, "v")[:, :, :ctx]
+            own = ((torch.arange(ctx - q_len, ctx, device=q.device)[None],
+                    torch.arange(start, start + q_len, device=q.device)[None]) if fresh else None)
+            k = gather(k_cache, ids, 1, nb, "k", own)[:, :, :ctx]
+            v = gather(v_cache, ids, 1, nb, "v", own)[:, :, :ctx]
             qb = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # (1, H, Lq, D)
             res = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                                  enable_gqa=gqa)

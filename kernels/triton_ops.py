@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.kv_cache import is_fp8
 from kernels.metadata import AttentionMetadata
 
 SPLIT_MIN_BLOCKS = 8  # contexts shorter than this many blocks per split are not split
@@ -34,8 +35,8 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 @triton.jit
 def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_cb, stride_cs, stride_ch, block_size, head_dim,
-                     BLOCK_D: tl.constexpr):
+                     stride_cb, stride_cs, stride_ch, block_size, head_dim, inv_k_scale, inv_v_scale, fp8_max,
+                     BLOCK_D: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
@@ -47,34 +48,41 @@ def _write_kv_kernel(key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
     dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
-    tl.store(k_cache_ptr + dst, k, mask=mask)
-    tl.store(v_cache_ptr + dst, v, mask=mask)
+    if FP8:  # quantize: x / scale, clamped to the format's range, rounded to nearest
+        k = tl.minimum(tl.maximum(k.to(tl.float32) * inv_k_scale, -fp8_max), fp8_max)
+        v = tl.minimum(tl.maximum(v.to(tl.float32) * inv_v_scale, -fp8_max), fp8_max)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv_triton(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+                    slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1 and key.stride(-1) == 1
+    fp8 = is_fp8(k_cache)
     _write_kv_kernel[(num_tokens, num_kv_heads)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.shape[1], head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim))
+        1.0 / k_scale, 1.0 / v_scale, torch.finfo(k_cache.dtype).max if fp8 else 0.0,
+        BLOCK_D=triton.next_power_of_2(head_dim), FP8=fp8)
 
 
 # ---------------------------------------------------------------------------------------------- attention
 @triton.jit
 def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr,
                             token_seq_ptr, token_pos_ptr, tile_seq_ptr, tile_tok_ptr, tile_len_ptr,
-                            block_tables_ptr,
+                            block_tables_ptr, key_ptr, value_ptr, qsl_ptr, seq_lens_ptr,
+                            stride_kt, stride_kh, stride_vt, stride_vh, inv_k_scale, inv_v_scale,
                             stride_qt, stride_qh, stride_ot, stride_oh,
                             stride_cb, stride_cs, stride_ch, stride_bt,
-                            scale, window, block_size, head_dim, group, keys_per_split, num_heads,
+                            scale, v_scale, window, block_size, head_dim, group, keys_per_split, num_heads,
                             NUM_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_G: tl.constexpr,
                             BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                            HAS_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr):
+                            HAS_WINDOW: tl.constexpr, IEEE_DOT: tl.constexpr, FP8: tl.constexpr,
+                            FRESH: tl.constexpr):
     tile = tl.program_id(0)
     h = tl.program_id(1)
     split = tl.program_id(2)
@@ -108,6 +116,14 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr,
     else:
         lo_row = tl.zeros([BLOCK_R], tl.int32)
 
+    if FRESH:  # fp8: this step's own tokens (positions own_pos.., tokens own_tok..) are read from key/value
+        if BLOCK_M == 1:
+            own_tok = tile
+            own_pos = tl.load(token_pos_ptr + tile)
+        else:
+            own_tok = tl.load(qsl_ptr + b)
+            own_pos = tl.load(seq_lens_ptr + b) - (tl.load(qsl_ptr + b + 1) - own_tok)
+
     m = tl.full([BLOCK_R], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_R], tl.float32)
     acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
@@ -120,6 +136,21 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr,
         kv_mask = nmask[:, None] & dmask[None, :]
         k = tl.load(k_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)  # (N, D)
         v = tl.load(v_cache_ptr + row[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if FP8:  # fp8 codes widened to q's dtype; k_scale is in `scale`, v_scale applied to the output
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+            if FRESH:  # in the cache's units: written / scale
+                own = (key_pos >= own_pos) & nmask
+                tok = own_tok + tl.maximum(key_pos - own_pos, 0)
+                own_mask = own[:, None] & dmask[None, :]
+                k_own = tl.load(key_ptr + tok[:, None] * stride_kt + h * stride_kh + d[None, :], mask=own_mask,
+                                other=0.0)
+                v_own = tl.load(value_ptr + tok[:, None] * stride_vt + h * stride_vh + d[None, :], mask=own_mask,
+                                other=0.0)
+                k = tl.where(own[:, None], k_own.to(tl.float32) * inv_k_scale, k)
+                v = tl.where(own[:, None], v_own.to(tl.float32) * inv_v_scale, v)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE_DOT:  # fp32 activations (or Triton's interpreter): full fp32 products, as the reference
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:  # bf16/fp16 on the matrix units, fp32 accumulation
@@ -140,6 +171,7 @@ def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_ptr,
         m = m_new
 
     omask = r_valid[:, None] & dmask[None, :]
+    acc = acc * v_scale
     if NUM_SPLITS == 1:
         out = acc / tl.maximum(l, 1e-30)[:, None]
         tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -224,7 +256,8 @@ def choose_num_splits(num_programs: int, num_kv_heads: int, max_blocks: int, tar
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
-                           num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
+                           k_scale: float = 1.0, v_scale: float = 1.0, key: torch.Tensor | None = None,
+                           value: torch.Tensor | None = None, num_splits: int | None = None, num_warps: int = 4, num_stages: int = 2,
                            block_n: int | None = None, block_m: int | None = None) -> torch.Tensor:
     """Paged attention over the block tables; the keyword knobs after `sliding_window` are for tests and
     bench/kernels.py --sweep (defaults: `attention_tiling`, `choose_num_splits`)."""
@@ -252,12 +285,19 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     part = (torch.empty((num_tokens, num_heads, splits, 2 + head_dim), dtype=torch.float32, device=q.device)
             if splits > 1 else out)
     block_tables = meta.block_tables.to(device=q.device, dtype=torch.int32).contiguous()
+    fp8 = is_fp8(k_cache)
+    fresh = fp8 and key is not None  # fp8: this step's own tokens attended as written (the reference's rule)
+    if not fresh:
+        key = value = q  # unused
     _paged_attention_kernel[(num_tiles, num_kv_heads, splits)](
         q, k_cache, v_cache, out, part, token_seq, token_pos, tile_seq, tile_tok, tile_len, block_tables,
+        key, value, meta.query_start_loc, meta.seq_lens, key.stride(0), key.stride(1), value.stride(0),
+        value.stride(1), 1.0 / k_scale, 1.0 / v_scale,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        scale, sliding_window or 0, block_size, head_dim, group, keys_per_split, num_heads,
+        scale * k_scale, v_scale, sliding_window or 0, block_size, head_dim, group, keys_per_split, num_heads,
         NUM_SPLITS=splits, HAS_WINDOW=sliding_window is not None, IEEE_DOT=q.dtype == torch.float32 or _INTERPRETED,
+        FP8=fp8, FRESH=fresh,
         num_warps=num_warps, num_stages=num_stages, **tiling)
     if splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](part, out, out.stride(0), out.stride(1), num_heads,

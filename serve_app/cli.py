@@ -2,6 +2,8 @@
 
   kvscale serve [CONFIG.yaml] [serve run options]   the Ray Serve app (default: the packaged serve_app/config.yaml)
   kvscale chat [--model M] [--dtype D]              chat with a model in this terminal (the offline engine, no Ray)
+  kvscale capacity [MODEL] [--kv-cache-dtype D] [--memory 16GiB] [--seq-len N]
+                                                    KV bytes per token by layer group, and what fits in the memory
 """
 from __future__ import annotations
 
@@ -58,6 +60,31 @@ def chat(argv: list[str]) -> int:
     return 0
 
 
+def capacity(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="kvscale capacity", description="KV bytes per token by layer group (M = 2 L "
+                                 "H_kv d_head T b), and how many tokens and sequences fit in a memory size.")
+    ap.add_argument("model", nargs="?", default="default",
+                    help="a model folder, its config.json, a Hugging Face repo id, or 'default'")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype), fp8_e4m3 or fp8_e5m2")
+    ap.add_argument("--memory", default="16GiB", help="memory for KV, e.g. 16GiB, 512MiB, 80GB")
+    ap.add_argument("--seq-len", type=int, default=8192, help="tokens per sequence")
+    args = ap.parse_args(argv)
+    from engine.capacity import kv_capacity, parse_size
+
+    try:
+        memory = parse_size(args.memory)
+        source = Path(args.model)
+        if not source.exists():
+            from engine.loader import resolve_model_path
+
+            source = Path(resolve_model_path(args.model))
+        print(kv_capacity(source, args.kv_cache_dtype).render(memory, args.seq_len))
+    except (ValueError, OSError, KeyError) as e:
+        print(f"kvscale capacity: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -69,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(rest)
     if command == "chat":
         return chat(rest)
+    if command == "capacity":
+        return capacity(rest)
     print(f"kvscale: unknown command {command!r}\n\n{__doc__.strip()}", file=sys.stderr)
     return 2
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from kernels import AttentionMetadata, select_ops
-from kernels.kv_cache import write_kv_ref
+from kernels.kv_cache import dequantize, quantize, write_kv_ref
 from kernels.norm import rms_norm_ref
 from kernels.paged_attention import _decode_buckets, paged_attention_ref, paged_attention_sdpa
 from kernels.rotary import rotary_ref
@@ -444,3 +444,95 @@ def test_cpu_ops_are_bound_once_for_the_dtype(monkeypatch):
     assert "no C kernels for torch.float16" in half.description
     monkeypatch.setattr(kernels, "native", lambda: None)
     assert select_ops("cpu", "cpu", torch.bfloat16).rms_norm is rms_norm_ref
+
+
+# ---------------------------------------------------------------------------------------------- fp8 KV cache
+FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+K_SCALE, V_SCALE = 0.02, 0.005  # randn K/V up to ~4.5: K/k_scale ~ 225 and V/v_scale ~ 900 (e4m3 clamps V at 448)
+
+
+def _fp8_batch(query_lens, seq_lens, kv_dtype, dtype, heads=8, kv_heads=2, head_dim=64, block_size=16):
+    """make_batch's K/V stored in fp8; and the dequantized cache the references attend over."""
+    q, kc, vc, meta = make_batch(query_lens, seq_lens, block_size, 64, heads, kv_heads, head_dim, dtype)
+    k8, v8 = quantize(kc, K_SCALE, kv_dtype), quantize(vc, V_SCALE, kv_dtype)
+    return q, k8, v8, meta, dequantize(k8, K_SCALE, dtype), dequantize(v8, V_SCALE, dtype)
+
+
+def _fp8_writes(kv_dtype, dtype):
+    g = torch.Generator().manual_seed(3)
+    key = (torch.randn(7, 2, 64, generator=g) * 3).to(dtype)
+    value = (torch.randn(7, 2, 64, generator=g) * 3).to(dtype)
+    slots = torch.tensor([0, 15, 16, -1, 83, 40, -1], dtype=torch.int64)
+    return key, value, slots
+
+
+def _same_codes(triton_cache: torch.Tensor, ref: torch.Tensor) -> None:
+    """Triton's fp8 codes against the reference's: equal, or neighbours. Triton's CPU interpreter (not the GPU)
+    also drops the carry when rounding up reaches a power of two (torch 8.0, interpreter 4.0): there, that
+    one case is allowed too."""
+    x, y = triton_cache.view(torch.uint8).int(), ref.view(torch.uint8).int()
+    ok = (x - y).abs() <= 1
+    if DEVICE.type == "cpu":
+        got, want = triton_cache.float(), ref.float()
+        power_of_two = want.abs().log2().frac() == 0
+        ok |= power_of_two & (got == want / 2)
+    assert (x == y).float().mean() > 0.98 and bool(ok.all())
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_kv_write_every_backend_stores_the_references_codes(cpu_kernels, kv_dtype, dtype):
+    key, value, slots = _fp8_writes(kv_dtype, dtype)
+    caches = {name: (torch.zeros(6, 16, 2, 64, dtype=kv_dtype), torch.zeros(6, 16, 2, 64, dtype=kv_dtype))
+              for name in ("ref", "cpu", "triton")}
+    write_kv_ref(key, value, *caches["ref"], slots, K_SCALE, V_SCALE)
+    select_ops("cpu", "cpu", dtype).write_kv(key, value, *caches["cpu"], slots, K_SCALE, V_SCALE)
+    triton_ops.write_kv_triton(key, value, *caches["triton"], slots, K_SCALE, V_SCALE)
+    k_ref, v_ref = caches["ref"]
+    assert torch.equal(caches["cpu"][0].view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(caches["cpu"][1].view(torch.uint8), v_ref.view(torch.uint8))
+    _same_codes(caches["triton"][0], k_ref)
+    _same_codes(caches["triton"][1], v_ref)
+    # what was stored is K / k_scale to fp8's precision (values past the format's range clamp), padding untouched
+    written = slots[slots >= 0]
+    stored = dequantize(k_ref, K_SCALE, torch.float32).view(-1, 2, 64)[written]
+    limit = torch.finfo(kv_dtype).max * K_SCALE
+    torch.testing.assert_close(stored, key[slots >= 0].float().clamp(-limit, limit), rtol=0.13, atol=K_SCALE * 2**-6)
+    untouched = torch.ones(6 * 16, dtype=torch.bool)
+    untouched[written] = False
+    assert not k_ref.view(-1, 2, 64)[untouched].float().any()
+
+
+FP8_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
+
+
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("query_lens,seq_lens", [
+    ([1, 1, 1, 1], [1, 17, 40, 300]),  # decode: ragged, a block boundary, a long context
+    ([3, 1, 9], [3, 20, 41]),  # a whole prompt, a decode, a chunk over a cached prefix
+])
+@pytest.mark.parametrize("own", [False, True])
+def test_fp8_attention_every_backend_matches_the_reference_on_the_dequantized_cache(
+        cpu_kernels, query_lens, seq_lens, window, kv_dtype, dtype, own):
+    """Over the dequantized cache; with `own`, this step's tokens (the query tokens' own K/V, passed as
+    written) replace what the fp8 pages hold at their slots."""
+    q, k8, v8, meta, k_deq, v_deq = _fp8_batch(query_lens, seq_lens, kv_dtype, dtype)
+    g = torch.Generator().manual_seed(7)
+    key = torch.randn(q.shape[0], k8.shape[2], k8.shape[3], generator=g).to(dtype) if own else None
+    value = torch.randn(q.shape[0], k8.shape[2], k8.shape[3], generator=g).to(dtype) if own else None
+    if own:  # as written: the pages hold their quantized form, the references see them exact
+        write_kv_ref(key, value, k8, v8, meta.slot_mapping, K_SCALE, V_SCALE)
+        k_deq, v_deq = dequantize(k8, K_SCALE, dtype), dequantize(v8, V_SCALE, dtype)
+        write_kv_ref(key, value, k_deq, v_deq, meta.slot_mapping)
+    want = paged_attention_ref(q, k_deq, v_deq, meta, 0.125, sliding_window=window)
+    check_ref = paged_attention_ref(q, k8, v8, meta, 0.125, window, K_SCALE, V_SCALE, key, value)
+    torch.testing.assert_close(check_ref, want, atol=0, rtol=0)  # the reference reads them exactly so
+    meta.plans.clear()
+    got = paged_attention_sdpa(q, k8, v8, meta, 0.125, window, K_SCALE, V_SCALE, key, value)  # C decode or SDPA
+    torch.testing.assert_close(got, want, **FP8_TOL[dtype])
+    for splits in (None, 2):
+        got = triton_ops.paged_attention_triton(q, k8, v8, meta, 0.125, window, K_SCALE, V_SCALE, key, value,
+                                                num_splits=splits)
+        torch.testing.assert_close(got, want, **FP8_TOL[dtype])

@@ -314,6 +314,7 @@ def _metric(base: str, name: str) -> dict[str, float]:
 
 
 def test_health_is_503_until_an_engine_can_serve_and_when_none_is_alive(cluster, make_tiny_model):
+    """Also: this app serves from an fp8 KV cache, end to end."""
     import ray
     from ray import serve
 
@@ -321,7 +322,8 @@ def test_health_is_503_until_an_engine_can_serve_and_when_none_is_alive(cluster,
 
     tiny = make_tiny_model("llama")
     serve.run(build_app({"model": tiny, "served_model_name": "tiny", "dtype": "float32", "num_kv_blocks": 64,
-                         "max_model_len": 256, "torch_threads": 1, "engine_num_cpus": 0.5}),
+                         "max_model_len": 256, "torch_threads": 1, "engine_num_cpus": 0.5,
+                         "kv_cache_dtype": "fp8_e4m3"}),  # and served from an fp8 KV cache
               name="h", route_prefix="/h", blocking=False)
     url = f"{cluster}/h/health"
     deadline = time.time() + 300
@@ -339,6 +341,10 @@ def test_health_is_503_until_an_engine_can_serve_and_when_none_is_alive(cluster,
     r = httpx.post(f"{cluster}/h/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 2},
                    timeout=30)
     assert r.status_code == 200, r.text
+    r = httpx.post(f"{cluster}/h/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": [5, 6, 7] * 20, "max_tokens": 40, "ignore_eos": True, "n": 2})
+    assert r.status_code == 200 and [c["finish_reason"] for c in r.json()["choices"]] == ["length"] * 2, r.text
+    assert 'cache_dtype="float8_e4m3fn"' in httpx.get(f"{cluster}/h/metrics", timeout=10).text
 
     # kill the only engine replica: /health turns 503 until Serve has a new one loaded
     replica = next(a for a in ray.util.list_named_actors(all_namespaces=True)

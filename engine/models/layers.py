@@ -14,6 +14,7 @@ from torch import nn
 
 from engine.models.rope import build_rope_cache
 from kernels import AttentionMetadata, Ops
+from kernels.kv_cache import kv_scale
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,10 @@ class Attention(nn.Module):
         self.scale = spec.head_dim**-0.5
         self.sliding_window = spec.sliding_windows[layer_idx]
         self.layer_idx, self.ops = layer_idx, ops
+        # fp8 KV cache: the cache holds K / k_scale and V / v_scale (kernels.kv_cache); set once at start-up by
+        # the runner's calibration (calibrate_kv: this forward sets them from the K and V it is about to write)
+        self.k_scale, self.v_scale = 1.0, 1.0
+        self.calibrate_kv = False
 
     def forward(self, hidden, positions, rope, kv_cache, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
@@ -95,8 +100,11 @@ class Attention(nn.Module):
             k, _ = self.k_norm(k)
         q, k = self.ops.rotary(q, k, positions, *rope)
         k_cache, v_cache = kv_cache
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        if self.calibrate_kv:
+            self.k_scale, self.v_scale = kv_scale(k, k_cache.dtype), kv_scale(v, v_cache.dtype)
+        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.k_scale,
+                                       self.v_scale, k, v)
         return self.ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)
 
 

@@ -1,0 +1,154 @@
+"""KV memory: the fp8 KV cache (kv_cache_dtype) on the default model and a tiny one.
+
+Bounds stated in README: the mean KL (nats) of the next-token distributions over a fixed text, read token by
+token from the cache as decoding does, against bf16 KV: < 0.02 for fp8_e4m3 and < 0.05 for fp8_e5m2 (measured:
+0.0075 and 0.021).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+KL_BOUND = {"fp8_e4m3": 0.02, "fp8_e5m2": 0.05}
+NEAR_TIE = 0.1  # nats between bf16 KV's top two candidates
+QUESTIONS = ["What is the capital of France?", "Name three primary colors."]  # the README's
+TEXT = """Lighthouses were once kept by families who lived at the foot of the tower. Every evening the keeper \
+climbed the spiral stairs, trimmed the wick, polished the lens and wound the clockwork that turned it. In storms \
+the keeper stayed awake all night, because a light that stopped could cost a ship. Today most lights run on their \
+own: a sensor switches them on at dusk, a battery bank carries them through the night, and a technician visits a \
+few times a year.
+Q: How many legs does a spider have?
+A: Eight. Insects have six, which is one way to tell the two groups apart.
+for i in range(10):
+    if i % 3 == 0:
+        print(i, "fizz")
+The committee met on 14 March and approved a budget of 2.4 million, of which 35 % goes to maintenance, 40 % to \
+new equipment and the rest to training. The next review is planned for the autumn, after the first results come in.
+"""
+
+
+@pytest.fixture(scope="module")
+def default_llms():
+    """The default model (bf16 where the CPU has it, as users get it) with each KV cache dtype, same bytes."""
+    llms = {kv: LLM(kv_cache_dtype=kv, kv_cache_bytes=48 << 20, max_model_len=2048, show_progress=False)
+            for kv in ("auto", "fp8_e4m3", "fp8_e5m2")}
+    yield llms
+
+
+def test_fp8_pool_holds_twice_the_blocks_at_the_same_bytes(make_tiny_model):
+    tiny = make_tiny_model("llama")
+    same = dict(dtype="bfloat16", kv_cache_bytes=4 << 20, show_progress=False)
+    bf16, fp8 = LLM(tiny, **same), LLM(tiny, kv_cache_dtype="fp8", **same)
+    b16, b8 = bf16.engine.runner.num_kv_blocks, fp8.engine.runner.num_kv_blocks
+    assert b8 >= 1.9 * b16, (b8, b16)
+    assert fp8.engine.runner.bytes_per_block * 2 == bf16.engine.runner.bytes_per_block
+    assert fp8.engine.kv_cache_config()["cache_dtype"] == "float8_e4m3fn"
+    assert fp8.stats().num_total_blocks == b8  # what metrics, kv_demand and the autoscaler count
+    # it serves: every block back at the end
+    outs = fp8.generate([[5, 6, 7] * 10, [9] * 40], SamplingParams(max_tokens=20, ignore_eos=True, n=2))
+    assert [len(c.token_ids) for o in outs for c in o.outputs] == [20] * 4
+    assert fp8.stats().num_free_blocks == b8
+
+
+def test_unknown_kv_cache_dtype_is_refused():
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        LLM(kv_cache_dtype="int4", show_progress=False)
+
+
+def test_fp8_kv_keeps_the_default_models_greedy_answers(default_llms):
+    """Greedy answers to the README's questions under fp8_e4m3 KV: the same tokens as bf16 KV, or the same up
+    to a step where bf16 itself was at a near-tie (its two candidates within NEAR_TIE nats), which any
+    perturbation of the arithmetic may flip; and the answer stays right."""
+    params = SamplingParams(temperature=0, max_tokens=30, logprobs=5)
+    for question, must_say in zip(QUESTIONS, (["Paris"], ["Red", "Blue", "Yellow"])):
+        messages = [{"role": "user", "content": question}]
+        want = default_llms["auto"].chat(messages, params)[0].outputs[0]
+        got = default_llms["fp8_e4m3"].chat(messages, params)[0].outputs[0]
+        print(f"{question!r}: bf16 KV {want.text!r}, fp8 KV {got.text!r}")
+        assert all(word in got.text for word in must_say), got.text
+        for i, (a, b) in enumerate(zip(want.token_ids, got.token_ids)):
+            if a != b:
+                margin = want.logprobs[i][a].logprob - want.logprobs[i][b].logprob if b in want.logprobs[i] else 99
+                assert margin < NEAR_TIE, f"token {i}: fp8 KV chose {b} where bf16 KV's choice led by {margin:.3f}"
+                break
+        else:
+            assert want.token_ids == got.token_ids
+
+
+def test_fp8_kv_next_token_distributions_stay_close_to_bf16_kv(default_llms):
+    ids = default_llms["auto"].get_tokenizer().encode(TEXT)
+    assert len(ids) > 200
+    # token by token, as decoding reads them: every earlier token's K/V from the (fp8) cache
+    base = torch.log_softmax(default_llms["auto"].engine.runner.prompt_logits(ids, chunk=1), -1)
+    for kv, bound in KL_BOUND.items():
+        logp = torch.log_softmax(default_llms[kv].engine.runner.prompt_logits(ids, chunk=1), -1)
+        kl = (base.exp() * (base - logp)).sum(-1)
+        print(f"{kv}: mean KL {kl.mean():.4f} nats, max {kl.max():.3f}, top-1 agreement "
+              f"{(base.argmax(-1) == logp.argmax(-1)).float().mean():.3f}")
+        assert kl.mean() < bound, (kv, float(kl.mean()))
+
+
+# ---- the capacity report ----
+def _qwen36_like() -> dict:
+    """The seed's example: Qwen3.6-27B-style, 64 layers of which 16 keep full KV (4 KV heads, head dim 256)."""
+    return {"model_type": "qwen3_5", "architectures": ["Qwen3_5ForConditionalGeneration"], "text_config": {
+        "model_type": "qwen3_5_text", "num_hidden_layers": 64, "num_attention_heads": 24, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_size": 5120, "torch_dtype": "bfloat16",
+        "layer_types": (["linear_attention"] * 3 + ["full_attention"]) * 16, "linear_num_value_heads": 48,
+        "linear_num_key_heads": 16, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4}}
+
+
+def test_capacity_report_matches_the_seeds_example():
+    from engine.capacity import kv_capacity
+
+    bf16, fp8 = kv_capacity(_qwen36_like()), kv_capacity(_qwen36_like(), "fp8_e4m3")
+    assert bf16.full_bytes_per_token == 2 * 16 * 4 * 256 * 2 == 64 * 1024
+    assert fp8.full_bytes_per_token == 32 * 1024
+    assert [(g.kind, g.num_layers) for g in bf16.groups] == [("full", 16), ("linear", 48)]
+    # a sequence costs its tokens' KV plus one fixed state; the state does not grow with length
+    state = bf16.groups[1].state_bytes_per_seq
+    assert bf16.bytes_per_sequence(8192) == 8192 * 64 * 1024 + state
+    assert bf16.bytes_per_sequence(16384) - bf16.bytes_per_sequence(8192) == 8192 * 64 * 1024
+    assert fp8.sequences_that_fit(80 << 30, 8192) > bf16.sequences_that_fit(80 << 30, 8192)
+    assert bf16.tokens_that_fit(64 << 30) == 1 << 20
+
+
+def test_capacity_report_bounds_sliding_layers_by_their_window(tmp_path):
+    from engine.capacity import kv_capacity
+
+    mistral = {"model_type": "mistral", "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+               "hidden_size": 4096, "sliding_window": 4096, "torch_dtype": "bfloat16"}
+    r = kv_capacity(mistral)
+    assert [(g.kind, g.num_layers, g.window) for g in r.groups] == [("sliding", 32, 4096)]
+    assert r.bytes_per_sequence(32768) == r.bytes_per_sequence(4096) == 4096 * 2 * 32 * 8 * 128 * 2
+    gemma3 = {"model_type": "gemma3_text", "num_hidden_layers": 18, "num_attention_heads": 4,
+              "num_key_value_heads": 1, "head_dim": 256, "hidden_size": 640, "sliding_window": 512,
+              "torch_dtype": "bfloat16", "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 3}
+    (tmp_path / "config.json").write_text(__import__("json").dumps(gemma3))
+    r = kv_capacity(tmp_path)  # a folder, as users pass models
+    full, sliding = r.groups
+    assert (full.kind, full.num_layers, sliding.kind, sliding.num_layers) == ("full", 3, "sliding", 15)
+    per_layer = 2 * 1 * 256 * 2
+    assert r.bytes_per_sequence(8192) == 8192 * 3 * per_layer + 512 * 15 * per_layer
+    qwen2 = {"model_type": "qwen2", "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+             "hidden_size": 896, "sliding_window": 32768, "use_sliding_window": False, "torch_dtype": "bfloat16"}
+    assert [g.kind for g in kv_capacity(qwen2).groups] == ["full"]  # the window is off
+
+
+def test_capacity_agrees_with_the_engines_pool_and_the_cli(capsys):
+    from engine.capacity import kv_capacity
+    from engine.loader import resolve_model_path
+    from serve_app.cli import main
+
+    llm = LLM(kv_cache_dtype="fp8_e4m3", num_kv_blocks=8, show_progress=False)
+    runner = llm.engine.runner
+    report = kv_capacity(resolve_model_path("default"), "fp8_e4m3")
+    assert report.full_bytes_per_token == runner.bytes_per_block // runner.block_size
+    assert main(["capacity", "default", "--kv-cache-dtype", "fp8", "--memory", "1GiB", "--seq-len", "2048"]) == 0
+    out = capsys.readouterr().out
+    assert "11.25 KiB per token" in out and "45 sequences of 2048 tokens" in out
+    assert main(["capacity", "default", "--memory", "lots"]) == 2
+    assert "cannot read 'lots' as a size" in capsys.readouterr().err
