@@ -33,9 +33,16 @@ def _hf_config(arch: str, **overrides):
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-6,
                 initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+           "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+           "gemma3": transformers.Gemma3TextConfig}[arch]
     if arch == "mistral":
         base["sliding_window"] = None
+    if arch == "gemma3":  # the 270M's shape in small: MQA, a wide head, 2 sliding layers to 1 full
+        base.update(num_hidden_layers=3, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=24,
+                    sliding_window=12, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                     "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                    tie_word_embeddings=True, initializer_range=0.02)
     base.update(overrides)
     return cls(**base)
 
@@ -55,6 +62,10 @@ def make_tiny_model(tmp_path_factory, default_model_path):
         config = _hf_config(arch, **overrides)
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        with torch.no_grad():  # HF starts Gemma's (1 + w) norms at w = 0; make w count in the tests
+            for name, param in model.named_parameters():
+                if arch == "gemma3" and "norm" in name:
+                    param.normal_(0.0, 0.3)
         out = tmp_path_factory.mktemp(f"tiny-{arch}")
         model.save_pretrained(out)
         for name in TOKENIZER_FILES:

@@ -26,6 +26,12 @@ VARIANTS = {
     "mistral-sliding-window": ("mistral", dict(sliding_window=12)),
     "qwen2-bias": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3-qknorm": ("qwen3", dict(head_dim=32)),
+    # Gemma 3: (1 + w) norms around attention and MLP, q/k norm, gelu-tanh, scaled embeddings, 2 sliding
+    # layers (window 12, their own rope base) to 1 full
+    "gemma3-sliding-full": ("gemma3", {}),
+    "gemma3-rope-linear-untied": ("gemma3", dict(tie_word_embeddings=False, rope_parameters={
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})),
 }
 
 MAX_NEW = 10
@@ -66,7 +72,7 @@ def test_batch_matches_hf(hf_reference, variant):
     assert ours == expected
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "mistral-sliding-window", "qwen3-qknorm"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "mistral-sliding-window", "qwen3-qknorm", "gemma3-sliding-full"])
 def test_chunked_prefill_matches_hf(hf_reference, variant):
     path, prompts, expected = hf_reference(variant)
     # a 9-token budget splits every longer prompt into chunks and mixes chunks with decodes
@@ -74,7 +80,7 @@ def test_chunked_prefill_matches_hf(hf_reference, variant):
     assert ours == expected
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "gemma3-sliding-full"])
 def test_prefix_cache_hits_match_hf(hf_reference, variant):
     rng = random.Random(1)
     shared = [rng.randrange(3, 49152) for _ in range(40)]
@@ -91,7 +97,7 @@ def test_prefix_cache_hits_match_hf(hf_reference, variant):
     assert [o.outputs[0].token_ids for o in again] == expected
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-qknorm"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-qknorm", "gemma3-sliding-full"])
 def test_preemption_matches_hf(hf_reference, variant):
     path, prompts, expected = hf_reference(variant)
     # 8 blocks of 16 = 128 slots for six requests needing ~190: some must be preempted and recomputed
@@ -128,7 +134,7 @@ def test_bf16_next_token_distribution_matches_hf_bf16(make_tiny_model):
 
 # ---- the Triton kernels, end to end (Triton's interpreter on CPU; see tests/test_kernels.py) ----
 @pytest.mark.parametrize("variant", ["llama-gqa", "llama-mqa-tied-headdim", "mistral-sliding-window",
-                                     "qwen3-qknorm"])
+                                     "qwen3-qknorm", "gemma3-sliding-full"])
 def test_triton_kernels_match_hf(hf_reference, variant):
     pytest.importorskip("triton", reason="triton is not installed")  # it is, in CI
     path, prompts, expected = hf_reference(variant)

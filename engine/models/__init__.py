@@ -8,6 +8,7 @@ _REGISTRY = {
     "MistralForCausalLM": "engine.models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "engine.models.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "engine.models.qwen:Qwen3ForCausalLM",
+    "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)
