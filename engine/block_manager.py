@@ -25,6 +25,7 @@ class BlockTableOwner(Protocol):
     block_ids: list[int]
     block_hashes: list[bytes]
     num_registered_blocks: int
+    num_released_blocks: int  # leading entries of block_ids that are placeholders (see release_out_of_window)
 
 
 def hash_block(prev_hash: bytes | None, token_ids: SequenceABC[int]) -> bytes:
@@ -121,8 +122,11 @@ class BlockManager:
     def num_new_blocks_needed(self, seq: BlockTableOwner, num_new_tokens: int) -> int:
         return max(0, cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size) - len(seq.block_ids))
 
-    def admit(self, seq: BlockTableOwner, prefix_block_ids: Iterable[int], num_new_tokens: int) -> bool:
-        """Give a sequence with no blocks its shared prefix blocks plus room for num_new_tokens.
+    def admit(self, seq: BlockTableOwner, prefix_block_ids: Iterable[int], num_new_tokens: int,
+              num_released: int = 0) -> bool:
+        """Give a sequence with no blocks its shared prefix blocks plus room for num_new_tokens. The first
+        num_released prefix entries are placeholders (a sliding-window sibling's released blocks, which this
+        sequence's queries cannot see either): kept in the table, not taken.
 
         All or nothing: returns False and changes nothing when the pool cannot cover it.
         """
@@ -130,12 +134,13 @@ class BlockManager:
         prefix = list(prefix_block_ids)
         num_prefix_tokens = len(prefix) * self.block_size
         num_new_blocks = cdiv(num_prefix_tokens + num_new_tokens, self.block_size) - len(prefix)
-        num_prefix_from_free = sum(1 for b in prefix if self.ref_counts[b] == 0)
+        num_prefix_from_free = sum(1 for b in prefix[num_released:] if self.ref_counts[b] == 0)
         if num_new_blocks + num_prefix_from_free > len(self.free_block_ids):
             return False
-        for block_id in prefix:
+        for block_id in prefix[num_released:]:
             self._take(block_id)
         seq.block_ids = prefix
+        seq.num_released_blocks = num_released
         seq.num_computed_tokens = num_prefix_tokens
         seq.num_cached_tokens = num_prefix_tokens
         seq.num_registered_blocks = len(prefix) if self.enable_prefix_caching else 0
@@ -154,17 +159,26 @@ class BlockManager:
 
     def free(self, seq: BlockTableOwner) -> None:
         """Return all of a sequence's blocks. Tail blocks go first in line for eviction, the shared head last."""
-        for block_id in reversed(seq.block_ids):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] < 0:
-                raise AssertionError(f"block {block_id} freed more often than taken")
-            if self.ref_counts[block_id] == 0:
-                self.free_block_ids[block_id] = None
-                if self.block_hash[block_id] is not None:
-                    self._num_free_cached += 1
+        for block_id in reversed(seq.block_ids[seq.num_released_blocks:]):
+            self._put(block_id)
         seq.block_ids = []
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
+        seq.num_released_blocks = 0
+
+    def release_out_of_window(self, seq: BlockTableOwner, window: int) -> int:
+        """Sliding-window attention (every layer's window `window`): give back the leading blocks no future
+        query can see. The next query sits at position num_computed_tokens and sees keys from there - window + 1
+        on; blocks wholly before that go to the free list (a registered one stays in the prefix cache, as a
+        free cached block), and their table entries stay as placeholders. Returns how many it released."""
+        first_needed = max(0, seq.num_computed_tokens - window + 1) // self.block_size
+        first_needed = min(first_needed, len(seq.block_ids))
+        released = 0
+        while seq.num_released_blocks < first_needed:
+            self._put(seq.block_ids[seq.num_released_blocks])
+            seq.num_released_blocks += 1
+            released += 1
+        return released
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached-but-free block (used ones keep serving their sequences)."""
@@ -178,6 +192,15 @@ class BlockManager:
             if self.block_hash[block_id] is not None:
                 self._num_free_cached -= 1
         self.ref_counts[block_id] += 1
+
+    def _put(self, block_id: int) -> None:
+        self.ref_counts[block_id] -= 1
+        if self.ref_counts[block_id] < 0:
+            raise AssertionError(f"block {block_id} freed more often than taken")
+        if self.ref_counts[block_id] == 0:
+            self.free_block_ids[block_id] = None
+            if self.block_hash[block_id] is not None:
+                self._num_free_cached += 1
 
     def _pop_free(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)  # least recently freed first
@@ -202,9 +225,10 @@ class BlockManager:
         For tests and debugging."""
         holders = [0] * self.num_total_blocks
         for seq in live:
-            if len(set(seq.block_ids)) != len(seq.block_ids):
-                raise AssertionError(f"a sequence holds a block twice: {seq.block_ids}")
-            for block_id in seq.block_ids:
+            held = seq.block_ids[seq.num_released_blocks:]
+            if len(set(held)) != len(held):
+                raise AssertionError(f"a sequence holds a block twice: {held}")
+            for block_id in held:
                 holders[block_id] += 1
         if holders != self.ref_counts:
             leaked = [b for b, (h, r) in enumerate(zip(holders, self.ref_counts)) if r > h]

@@ -123,8 +123,15 @@ class LLMEngine:
         self.runner.calibrate_kv_scales(self.tokenizer.encode(KV_CALIBRATION_TEXT))
         self.runner.capture_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        windows = set(self.runner.model.spec.sliding_windows)
+        # every layer on one window (Mistral-style): blocks behind it go back to the pool as sequences advance.
+        # Models that mix sliding and full layers (Gemma 3) keep every block: their full layers read them all
+        self.sliding_window = windows.pop() if len(windows) == 1 and None not in windows else None
+        if self.sliding_window is not None:
+            logger.info("every layer attends over a %d-token window: KV blocks behind it are freed as sequences "
+                        "advance", self.sliding_window)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.eos_token_ids, self.max_model_len)
+                                   self.eos_token_ids, self.max_model_len, self.sliding_window)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.num_prompt_tokens_total = 0
         self.num_steps_total = 0

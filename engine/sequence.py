@@ -39,6 +39,9 @@ class Sequence:
     block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
+    # sliding-window models: leading blocks given back to the pool because no future query can see them; their
+    # block_ids entries stay as placeholders (never read: outside every window), so positions keep their index
+    num_released_blocks: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it

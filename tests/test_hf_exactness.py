@@ -80,7 +80,7 @@ def test_chunked_prefill_matches_hf(hf_reference, variant):
     assert ours == expected
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "gemma3-sliding-full"])
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen2-bias", "gemma3-sliding-full", "mistral-sliding-window"])
 def test_prefix_cache_hits_match_hf(hf_reference, variant):
     rng = random.Random(1)
     shared = [rng.randrange(3, 49152) for _ in range(40)]
@@ -97,14 +97,17 @@ def test_prefix_cache_hits_match_hf(hf_reference, variant):
     assert [o.outputs[0].token_ids for o in again] == expected
 
 
-@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-qknorm", "gemma3-sliding-full"])
-def test_preemption_matches_hf(hf_reference, variant):
+@pytest.mark.parametrize("variant,blocks,budget", [("llama-gqa", 8, 2048), ("qwen3-qknorm", 8, 2048),
+                                                   ("gemma3-sliding-full", 8, 2048), ("mistral-sliding-window", 4, 9)])
+def test_preemption_matches_hf(hf_reference, variant, blocks, budget):
     path, prompts, expected = hf_reference(variant)
-    # 8 blocks of 16 = 128 slots for six requests needing ~190: some must be preempted and recomputed
-    ours, llm = _ours(path, prompts, num_kv_blocks=8, max_model_len=128)
+    # 8 blocks of 16 = 128 slots for six requests needing ~190: some must be preempted and recomputed. With a
+    # 12-token window on every layer a sequence holds at most 2 blocks once decoding, so 8 would be plenty:
+    # 4 blocks and 9-token prefill chunks (many sequences prefilling at once) force preemptions there.
+    ours, llm = _ours(path, prompts, num_kv_blocks=blocks, max_model_len=blocks * 16, max_num_batched_tokens=budget)
     assert ours == expected
     assert llm.stats().num_preemptions_total > 0
-    assert llm.stats().num_free_blocks == 8
+    assert llm.stats().num_free_blocks == blocks
 
 
 def test_block_size_32_matches_hf(hf_reference):

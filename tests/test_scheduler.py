@@ -115,9 +115,12 @@ ops = st.lists(
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, num_blocks=st.integers(11, 24), block_size=st.sampled_from([2, 4, 8]),
-       budget=st.integers(1, 48), max_seqs=st.integers(1, 6), caching=st.booleans())
-def test_fuzz_invariants(ops, num_blocks, block_size, budget, max_seqs, caching):
+       budget=st.integers(1, 48), max_seqs=st.integers(1, 6), caching=st.booleans(),
+       window=st.one_of(st.none(), st.integers(1, 20)))
+def test_fuzz_invariants(ops, num_blocks, block_size, budget, max_seqs, caching, window):
+    """window: every layer slides over it, so blocks behind it are released as sequences advance."""
     bm, sch = make(num_blocks, block_size, max_seqs, budget, caching)
+    sch.sliding_window = window
     capacity = num_blocks * block_size
     added: list[Sequence] = []
     for op in ops:
@@ -139,6 +142,10 @@ def test_fuzz_invariants(ops, num_blocks, block_size, budget, max_seqs, caching)
         bm.check_invariants(list(sch.live_sequences()))
         assert bm.num_free_blocks + bm.num_used_blocks == bm.num_total_blocks
         assert all(r >= 0 for r in bm.ref_counts)
+        if window is not None:  # nothing a future query can see was given back; nothing behind it is held
+            for s in sch.running:
+                first_needed = max(0, s.num_computed_tokens - window + 1) // block_size
+                assert s.num_released_blocks == min(first_needed, len(s.block_ids)) or s.num_computed_tokens == 0
     for _ in range(2000):  # drain: everything that was not aborted must finish
         if not sch.has_unfinished:
             break
@@ -176,6 +183,7 @@ def test_projected_demand_counts_what_sequences_will_hold_at_their_end():
     assert projected_demand_blocks([a, b], recent, 4) == 4 + 2
     a.token_ids.extend([7] * 9)  # a already has 9 outputs: never expect fewer than it has + 1
     assert projected_demand_blocks([a], recent, 4) == 5
+    assert projected_demand_blocks([a], recent, 4, sliding_window=6) == 3  # a window of 6 spans 3 blocks of 4
 
 
 def test_update_from_output_ends_on_eos_stop_ids_and_length_and_frees_blocks():
