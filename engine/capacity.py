@@ -79,9 +79,10 @@ class CapacityReport:
         lines.append(f"in {_size(memory_bytes)}: {self.sequences_that_fit(memory_bytes, seq_len)} sequences of "
                      f"{seq_len} tokens" + (f"; {self.tokens_that_fit(memory_bytes):,} tokens of full-attention KV"
                                             if self.full_bytes_per_token else ""))
-        if any(g.kind == "sliding" for g in self.groups):
-            lines.append("(kvscale's engine allocates sliding layers like full ones today: the window bound is what "
-                         "window freeing would give)")
+        if any(g.kind == "sliding" for g in self.groups) and any(g.kind == "full" for g in self.groups):
+            lines.append("(kvscale frees blocks behind the window when every layer slides; with full layers beside "
+                         "the sliding ones it keeps every block today, so this bound is what per-group accounting "
+                         "would give)")
         return "\n".join(lines)
 
 
