@@ -1,12 +1,16 @@
-"""kvscale as a user installs it: a built wheel (not an editable checkout), used from outside the source tree.
+"""kvscale as a user installs it: `pip install .` (not editable) into a fresh virtualenv, used from outside the
+source tree.
 
-The wheel is installed with --no-deps into a folder put first on PYTHONPATH (its dependencies are those of
-this environment), and everything runs from a directory where the checkout is not importable."""
+The fresh venv sees this environment's site-packages through a .pth file, so kvscale's dependencies (torch,
+ray, ...) need not be installed twice; kvscale itself goes into the fresh venv from the checkout, built as a
+wheel by pip, and everything runs from a directory where the checkout is not importable."""
 from __future__ import annotations
 
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 import time
 from pathlib import Path
 
@@ -20,27 +24,33 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory):
-    wheels, target = tmp_path_factory.mktemp("wheels"), tmp_path_factory.mktemp("site")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(wheels), str(ROOT)], check=True)
-    wheel = next(wheels.glob("kvscale-*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
-                   check=True)
-    env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-    return target, env, tmp_path_factory.mktemp("elsewhere")
+    venv = tmp_path_factory.mktemp("fresh") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    fresh_site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                                     capture_output=True, text=True, check=True).stdout.strip())
+    ours = [p for p in {sysconfig.get_paths()["purelib"], *site.getsitepackages()} if Path(p).is_dir()]
+    (fresh_site / "kvscale-test-deps.pth").write_text("\n".join(ours) + "\n")  # the dependencies, not kvscale
+    # pip install . (pip itself comes from this environment, acting on the fresh venv's interpreter)
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", str(ROOT)],
+                   check=True, cwd=tmp_path_factory.mktemp("build-from-elsewhere"))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env.pop("PYTHONPATH", None)
+    env.pop("VIRTUAL_ENV", None)
+    return venv, fresh_site, env, tmp_path_factory.mktemp("elsewhere")
 
 
 def test_wheel_ships_the_c_kernels_and_the_console_script(installed):
-    target, env, cwd = installed
-    out = subprocess.run([sys.executable, "-c", (
+    venv, fresh_site, env, cwd = installed
+    out = subprocess.run([str(venv / "bin" / "python"), "-c", (
         "import kernels, engine, serve_app.cli\n"
         "from kernels.cpu_native import SOURCE, native\n"
         "print(kernels.__file__); print(SOURCE.exists()); print(native() is not None)\n")],
         cwd=cwd, env=env, capture_output=True, text=True, check=True).stdout.split()
-    assert out[0].startswith(str(target)), f"imported from the checkout, not the wheel: {out[0]}"
+    assert out[0].startswith(str(fresh_site)), f"imported from the checkout, not the installed package: {out[0]}"
     assert out[1] == "True", "kernels/cpu_native.c is not in the wheel"
     assert out[2] == "True", "the C kernels did not build from the installed source"
-    script = target / "bin" / "kvscale"
+    script = venv / "bin" / "kvscale"
     assert script.exists()
     r = subprocess.run([str(script), "--help"], cwd=cwd, env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "kvscale serve" in r.stdout
@@ -49,12 +59,12 @@ def test_wheel_ships_the_c_kernels_and_the_console_script(installed):
 def test_kvscale_serve_from_the_wheel_serves_the_default_model(installed, tmp_path):
     import openai
 
-    target, env, cwd = installed
+    venv, fresh_site, env, cwd = installed
     port = free_port()
-    config = (target / "serve_app" / "config.yaml").read_text().replace("port: 8000", f"port: {port}")
+    config = (fresh_site / "serve_app" / "config.yaml").read_text().replace("port: 8000", f"port: {port}")
     config = config.replace("host: 0.0.0.0", "host: 127.0.0.1")
     (tmp_path / "config.yaml").write_text(config)
-    proc = subprocess.Popen([str(target / "bin" / "kvscale"), "serve", str(tmp_path / "config.yaml")], cwd=cwd,
+    proc = subprocess.Popen([str(venv / "bin" / "kvscale"), "serve", str(tmp_path / "config.yaml")], cwd=cwd,
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:
