@@ -104,3 +104,20 @@ def test_serve_schema_rejects_a_broken_config():
     with pytest.raises(ValueError):
         ServeDeploySchema.model_validate(raw) if hasattr(ServeDeploySchema, "model_validate") \
             else ServeDeploySchema.parse_obj(raw)
+
+
+def test_serve_build_as_readme_says_writes_a_config_serve_accepts(tmp_path):
+    """README: `serve build serve_app:app -o my_config.yaml` writes a fresh config of both deployments."""
+    import subprocess
+    import sys
+
+    from ray.serve.schema import ServeDeploySchema
+
+    serve_cli = Path(sys.executable).with_name("serve")
+    out = tmp_path / "built.yaml"
+    subprocess.run([str(serve_cli), "build", "serve_app:app", "-o", str(out)], check=True, capture_output=True,
+                   cwd=Path(__file__).resolve().parents[1], timeout=300)
+    built = ServeDeploySchema(**yaml.safe_load(out.read_text()))
+    (app,) = built.applications
+    assert app.import_path == "serve_app:app"
+    assert {d.name for d in app.deployments} == {"KVEngine", "OpenAIIngress"}
