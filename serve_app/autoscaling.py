@@ -131,9 +131,11 @@ class KVAutoscalingPolicy:
         now = time.monotonic()
         if what == self._reported[1] and now - self._reported[0] < AUTOSCALER_REPORT_S:
             return
-        try:
-            import ray
+        import ray
 
+        if not ray.is_initialized():  # outside a Ray process (the simulator, tests): no board, and no Ray
+            return  # started by get_actor's auto-init
+        try:
             from serve_app.metrics import BOARD_NAMESPACE, board_name
 
             if self._board is None:

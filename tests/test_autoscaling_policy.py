@@ -190,3 +190,16 @@ def test_serve_config_is_derived_from_the_engine_config():
     for config in (ServeConfig(**changed), ServeConfig(engine=changed)):
         assert config.to_engine_config() == EngineConfig(**changed, show_progress=False)
         assert ServeConfig(**config.model_dump()) == config  # what the app hands its replicas round-trips
+
+
+def test_the_policy_class_starts_no_ray_outside_a_cluster():
+    """The class Serve's controller calls also reports its decisions to the app's stats board; outside a Ray
+    process it must not start Ray (ray.get_actor would, and leave a local cluster on the dashboard port)."""
+    import ray
+
+    from serve_app.autoscaling import KVAutoscalingPolicy
+
+    assert not ray.is_initialized()
+    policy = KVAutoscalingPolicy(target_utilization=0.75)
+    assert policy(ctx(current=1, demand=160.0))[0] == 3
+    assert not ray.is_initialized()

@@ -21,9 +21,7 @@ def two_node_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
-    # a free dashboard port: 8265 may still be held by a Ray another test (or `serve run`) just stopped
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True,
-                                                            "dashboard_port": free_port()})
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True})
     workers = [cluster.add_node(num_cpus=1, resources={"kv_engine": 1}) for _ in range(2)]
     cluster.wait_for_nodes()  # the dashboard on the head serves the state API (which actor on which node)
     ray.init(address=cluster.address, log_to_driver=False)
