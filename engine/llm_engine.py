@@ -120,7 +120,7 @@ class LLMEngine:
         if self.max_model_len > max_positions:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({max_positions})")
-        self.runner.calibrate_kv_scales(self.tokenizer.encode(KV_CALIBRATION_TEXT))
+        self.runner.calibrate_kv_scales(self.tokenizer.encode(KV_CALIBRATION_TEXT)[: self.max_model_len])
         self.runner.capture_decode_graphs(self.max_model_len)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         windows = set(self.runner.model.spec.sliding_windows)
