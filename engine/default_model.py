@@ -59,24 +59,9 @@ def gguf_path() -> Path:
 
 
 def default_model_dir() -> str:
-    """The converted folder, made on first call. Safe against concurrent first calls (atomic rename)."""
-    target = cache_root() / f"{DEFAULT_MODEL_NAME}-bf16-v{_CONVERSION_VERSION}"
-    if (target / "config.json").exists():
-        return str(target)
-    source = gguf_path()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
-        logger.info("converting %s to a safetensors folder at %s (once)", source.name, target)
-        convert_gguf_to_hf(source, tmp)
-        try:
-            tmp.rename(target)
-        except OSError:
-            if not (target / "config.json").exists():  # lost a race is fine; anything else is not
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(target)
+    """The converted folder, made on first call."""
+    return _converted(cache_root() / f"{DEFAULT_MODEL_NAME}-bf16-v{_CONVERSION_VERSION}", gguf_path,
+                      convert_gguf_to_hf)
 
 
 def packaged_model_dir(name: str) -> str:
@@ -90,6 +75,8 @@ def packaged_model_dir(name: str) -> str:
 
 
 def _converted(target: Path, locate, convert) -> str:
+    """target, converted from the GGUF locate() finds on first call. Safe against concurrent first calls
+    (atomic rename)."""
     if (target / "config.json").exists():
         return str(target)
     source = locate()
@@ -136,34 +123,15 @@ GEMMA3_LOCAL_ROPE_BASE = 10000.0  # and its sliding layers' rope base (the GGUF 
 
 
 def convert_gemma3_gguf_to_hf(source: Path, out_dir: Path) -> None:
-    import numpy as np
-    import torch
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-    from transformers import AutoTokenizer, Gemma3TextConfig
+    from transformers import Gemma3TextConfig
 
-    reader = GGUFReader(str(source))
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    if meta["general.architecture"] != "gemma3":
-        raise ValueError(f"{source.name}: GGUF architecture {meta['general.architecture']!r}, expected gemma3")
-    tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"converting {source.name}", unit="tensor"):
-        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)
-        name = t.name.removesuffix(".weight")
-        if name == "token_embd":
-            hf = "model.embed_tokens.weight"
-        elif name == "output_norm":
-            hf = "model.norm.weight"
-        elif name == "output":
-            hf = "lm_head.weight"
-        else:
-            _, layer, part = name.split(".", 2)
-            hf = f"model.layers.{layer}.{_GEMMA3_LAYER_NAMES[part]}.weight"
-        if name.endswith("norm"):
-            w = w - 1.0  # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
-        tensors[hf] = torch.from_numpy(np.ascontiguousarray(w)).to(torch.bfloat16)
+    reader, meta = _read_gguf(source, "gemma3")
+
+    def adjust(name: str, part: str | None, w):
+        # llama.cpp stores Gemma's (1 + w) norm weights with the 1 added
+        return w - 1.0 if name.endswith("norm") else w
+
+    tensors = _hf_tensors(reader, source, _GEMMA3_LAYER_NAMES, adjust)
 
     layers, head_dim = meta["gemma3.block_count"], meta["gemma3.attention.key_length"]
     full_rope: dict = {"rope_type": "default", "rope_theta": float(meta["gemma3.rope.freq_base"])}
@@ -188,11 +156,7 @@ def convert_gemma3_gguf_to_hf(source: Path, out_dir: Path) -> None:
         pad_token_id=fields["tokenizer.ggml.padding_token_id"].contents(),
         architectures=["Gemma3ForCausalLM"], dtype="bfloat16",
     )
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    tokenizer.save_pretrained(str(out_dir))
-    config.save_pretrained(str(out_dir))  # last: its presence marks a complete folder
+    _write_folder(out_dir, source, tensors, config)
 
 
 def _unpermute(w, n_head: int):
@@ -202,40 +166,17 @@ def _unpermute(w, n_head: int):
 
 
 def convert_gguf_to_hf(source: Path, out_dir: Path) -> None:
-    import numpy as np
-    import torch
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-    from transformers import AutoTokenizer, LlamaConfig
+    from transformers import LlamaConfig
 
-    reader = GGUFReader(str(source))
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
-    arch = meta["general.architecture"]
-    if arch != "llama":
-        raise ValueError(f"{source.name}: GGUF architecture {arch!r}; only llama GGUF conversion is supported")
+    reader, meta = _read_gguf(source, "llama")
     n_head, n_kv = meta["llama.attention.head_count"], meta["llama.attention.head_count_kv"]
     hidden = meta["llama.embedding_length"]
 
-    tensors: dict[str, torch.Tensor] = {}
-    for t in tqdm(reader.tensors, desc=f"converting {source.name}", unit="tensor"):
-        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
-        name = t.name.removesuffix(".weight")
-        if name == "token_embd":
-            hf = "model.embed_tokens.weight"
-        elif name == "output_norm":
-            hf = "model.norm.weight"
-        elif name == "output":
-            hf = "lm_head.weight"
-        else:
-            _, layer, part = name.split(".", 2)
-            hf = f"model.layers.{layer}.{_LAYER_NAMES[part]}.weight"
-            if part == "attn_q":
-                w = _unpermute(w, n_head)
-            elif part == "attn_k":
-                w = _unpermute(w, n_kv)
-        tensors[hf] = torch.from_numpy(np.ascontiguousarray(w)).to(torch.bfloat16)
+    def adjust(name: str, part: str | None, w):
+        # llama.cpp stores q/k rows interleaved per rotary pair
+        return _unpermute(w, n_head) if part == "attn_q" else _unpermute(w, n_kv) if part == "attn_k" else w
+
+    tensors = _hf_tensors(reader, source, _LAYER_NAMES, adjust)
 
     bos = reader.fields["tokenizer.ggml.bos_token_id"].contents()
     eos = reader.fields["tokenizer.ggml.eos_token_id"].contents()
@@ -250,8 +191,52 @@ def convert_gguf_to_hf(source: Path, out_dir: Path) -> None:
         pad_token_id=reader.fields["tokenizer.ggml.padding_token_id"].contents(),
         architectures=["LlamaForCausalLM"], dtype="bfloat16",
     )
+    _write_folder(out_dir, source, tensors, config)
+
+
+def _read_gguf(source: Path, arch: str):
+    """(reader, metadata without the tokenizer's arrays) of a GGUF file that must hold architecture `arch`."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(source))
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("tokenizer.ggml.")}
+    if meta["general.architecture"] != arch:
+        raise ValueError(f"{source.name}: GGUF architecture {meta['general.architecture']!r}, expected {arch}")
+    return reader, meta
+
+
+def _hf_tensors(reader, source: Path, layer_names: dict[str, str], adjust) -> dict:
+    """Every tensor dequantized, under its HF name (llama.cpp's per-layer parts mapped by layer_names), passed
+    through adjust(gguf name, layer part or None, fp32 array), stored bf16."""
+    import numpy as np
+    import torch
+    from gguf.quants import dequantize
+    from tqdm import tqdm
+
+    tensors: dict[str, torch.Tensor] = {}
+    for t in tqdm(reader.tensors, desc=f"converting {source.name}", unit="tensor"):
+        w = np.array(dequantize(t.data, t.tensor_type), dtype=np.float32)  # a writable copy
+        name, part = t.name.removesuffix(".weight"), None
+        if name == "token_embd":
+            hf = "model.embed_tokens.weight"
+        elif name == "output_norm":
+            hf = "model.norm.weight"
+        elif name == "output":
+            hf = "lm_head.weight"
+        else:
+            _, layer, part = name.split(".", 2)
+            hf = f"model.layers.{layer}.{layer_names[part]}.weight"
+        tensors[hf] = torch.from_numpy(np.ascontiguousarray(adjust(name, part, w))).to(torch.bfloat16)
+    return tensors
+
+
+def _write_folder(out_dir: Path, source: Path, tensors: dict, config) -> None:
+    """The HF folder: weights, the tokenizer read from the GGUF, and the config last (its presence marks a
+    complete folder)."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
     out_dir.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    tokenizer.save_pretrained(str(out_dir))
-    config.save_pretrained(str(out_dir))  # last: its presence marks a complete folder
+    AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name).save_pretrained(str(out_dir))
+    config.save_pretrained(str(out_dir))
