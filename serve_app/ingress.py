@@ -157,12 +157,15 @@ class OpenAIIngress:
             raise APIError(400, f"n must be <= {self.config.max_n}; got {req.n}", param="n")
         return req
 
-    async def _snapshots(self, max_age_s: float = STALE_AFTER_S) -> dict[str, dict]:
+    async def _ask_board(self, method: str, *args: Any) -> Any:
         try:
-            return await self._board.get_all.remote(max_age_s)
+            return await getattr(self._board, method).remote(*args)
         except ray.exceptions.RayActorError:  # its owner went away; the replicas report to a new one
             self._board = get_board(replica_identity()[1])
-            return await self._board.get_all.remote(max_age_s)
+            return await getattr(self._board, method).remote(*args)
+
+    async def _snapshots(self, max_age_s: float = STALE_AFTER_S) -> dict[str, dict]:
+        return await self._ask_board("get_all", max_age_s)
 
     async def _info(self) -> dict[str, Any]:
         """The model's facts from an engine replica (fetched once): max_model_len, how to read chat output."""
@@ -193,11 +196,7 @@ class OpenAIIngress:
 
     @fastapi_app.get("/metrics")
     async def metrics(self) -> PlainTextResponse:
-        try:
-            snapshots, autoscaler = await self._board.get_metrics.remote()
-        except ray.exceptions.RayActorError:  # its owner went away; the replicas report to a new one
-            self._board = get_board(replica_identity()[1])
-            snapshots, autoscaler = await self._board.get_metrics.remote()
+        snapshots, autoscaler = await self._ask_board("get_metrics")
         return PlainTextResponse(render(snapshots, autoscaler, self.model_name),
                                  media_type="text/plain; version=0.0.4")
 
