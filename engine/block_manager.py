@@ -166,13 +166,17 @@ class BlockManager:
         seq.num_registered_blocks = 0
         seq.num_released_blocks = 0
 
+    def first_visible_block(self, position: int, window: int) -> int:
+        """The first block a query at `position` or later can see through a sliding window of `window` tokens
+        (it sees keys from position - window + 1 on): every block before it is behind the window for good."""
+        return max(0, position - window + 1) // self.block_size
+
     def release_out_of_window(self, seq: BlockTableOwner, window: int) -> int:
         """Sliding-window attention (every layer's window `window`): give back the leading blocks no future
         query can see. The next query sits at position num_computed_tokens and sees keys from there - window + 1
         on; blocks wholly before that go to the free list (a registered one stays in the prefix cache, as a
         free cached block), and their table entries stay as placeholders. Returns how many it released."""
-        first_needed = max(0, seq.num_computed_tokens - window + 1) // self.block_size
-        first_needed = min(first_needed, len(seq.block_ids))
+        first_needed = min(self.first_visible_block(seq.num_computed_tokens, window), len(seq.block_ids))
         released = 0
         while seq.num_released_blocks < first_needed:
             self._put(seq.block_ids[seq.num_released_blocks])

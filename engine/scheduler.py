@@ -210,8 +210,7 @@ class Scheduler:
         released = min(parent.num_released_blocks, num_shared)
         if released and self.sliding_window is not None:
             # the sibling starts at num_shared * bs: what the parent released must be behind its window too
-            first_needed = max(0, num_shared * bs - self.sliding_window + 1) // bs
-            if released > first_needed:
+            if released > self.block_manager.first_visible_block(num_shared * bs, self.sliding_window):
                 num_shared = 0
                 released = 0
         shared = parent.block_ids[:num_shared]
