@@ -97,8 +97,7 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
         _check_supported(cfg)
         windows = [cfg.sliding_window if t == "sliding_attention" else None for t in cfg.layer_types]
         spec = DecoderSpec.from_hf(cfg, attention_bias=False, qk_norm=True, sliding_windows=windows)
-        super().__init__(cfg, spec, ops, max_positions)
-        self.model = Gemma3Model(spec, ops, cfg)
+        super().__init__(cfg, spec, ops, max_positions, Gemma3Model(spec, ops, cfg))
         self.ropes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def init_rope(self, device: torch.device) -> None:

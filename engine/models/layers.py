@@ -163,10 +163,11 @@ _MERGED = {
 class DecoderForCausalLM(nn.Module):
     """Base of every family: forward to hidden states, logits for the rows asked for, weight loading."""
 
-    def __init__(self, hf_config: Any, spec: DecoderSpec, ops: Ops, max_positions: int) -> None:
+    def __init__(self, hf_config: Any, spec: DecoderSpec, ops: Ops, max_positions: int,
+                 model: nn.Module | None = None) -> None:
         super().__init__()
         self.spec, self.ops = spec, ops
-        self.model = DecoderModel(spec, ops)
+        self.model = model if model is not None else DecoderModel(spec, ops)  # a family's own stack, or ours
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.hf_config, self.max_positions = hf_config, max_positions
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
