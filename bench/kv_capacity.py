@@ -47,27 +47,18 @@ def run(model: str, kv_cache_dtype: str, kv_mib: int, requests: int, prompt: int
 def mistral_like(folder: Path, window: int | None) -> str:
     """The default model's shapes as a random Mistral with (or without) a sliding window on every layer."""
     import json
-    import shutil
 
-    import torch
-    from transformers import AutoModelForCausalLM, MistralConfig
+    from transformers import MistralConfig
 
+    from bench.models import random_model
     from engine.default_model import default_model_dir
 
     base = json.loads((Path(default_model_dir()) / "config.json").read_text())
-    path = folder / f"mistral-window-{window}"
-    if not (path / "config.json").exists():
-        cfg = MistralConfig(vocab_size=base["vocab_size"], hidden_size=base["hidden_size"],
-                            intermediate_size=base["intermediate_size"], num_hidden_layers=base["num_hidden_layers"],
-                            num_attention_heads=base["num_attention_heads"],
-                            num_key_value_heads=base["num_key_value_heads"], max_position_embeddings=32768,
-                            sliding_window=window, tie_word_embeddings=True)
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-            if (Path(default_model_dir()) / name).exists():
-                shutil.copy(Path(default_model_dir()) / name, path / name)
-    return str(path)
+    cfg = MistralConfig(vocab_size=base["vocab_size"], hidden_size=base["hidden_size"],
+                        intermediate_size=base["intermediate_size"], num_hidden_layers=base["num_hidden_layers"],
+                        num_attention_heads=base["num_attention_heads"], num_key_value_heads=base["num_key_value_heads"],
+                        max_position_embeddings=32768, sliding_window=window, tie_word_embeddings=True)
+    return random_model(folder / f"mistral-window-{window}", cfg, dtype="bfloat16")
 
 
 def main() -> None:

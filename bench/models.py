@@ -9,21 +9,28 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def random_llama(path: Path, **config) -> str:
-    """Saves (once) and returns a LlamaConfig(vocab 49152, bos 1, eos 2, **config) model at `path`."""
+def random_model(path: Path, config, dtype: str = "float32") -> str:
+    """Saves (once, seed 0) and returns a random-init model of this HF config at `path`, with the default
+    model's tokenizer beside it."""
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
     from engine.default_model import default_model_dir
 
     if not (path / "model.safetensors").exists():
         torch.manual_seed(0)
-        cfg = LlamaConfig(**{"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, **config})
-        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(path)
+        AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(path)
         for name in TOKENIZER_FILES:
             if (Path(default_model_dir()) / name).exists():
                 shutil.copy(Path(default_model_dir()) / name, path / name)
     return str(path)
+
+
+def random_llama(path: Path, **config) -> str:
+    """Saves (once) and returns a LlamaConfig(vocab 49152, bos 1, eos 2, **config) model at `path`."""
+    from transformers import LlamaConfig
+
+    return random_model(path, LlamaConfig(**{"vocab_size": 49152, "bos_token_id": 1, "eos_token_id": 2, **config}))
 
 
 def tiny_llama(path: Path) -> str:
