@@ -6,7 +6,8 @@ sent at once. The model's forward is replaced by a fixed token (EngineConfig.fak
 measured is memory, not speed: the peak of sequences running together, the blocks the pool has, and steps.
 
     python bench/kv_capacity.py            # default model bf16 vs fp8; a model with 4k and 1k windows against
-                                          # none; Gemma 3 270M bf16 vs fp8 (when its packages are installed)
+                                          # none; Gemma 3 270M bf16 vs fp8, each with and without freeing the
+                                          # blocks behind its window (when its packages are installed)
 
 Rows with a window use a random Mistral-shaped model (the default model's layer shapes, sliding_window
 from `--windows`) against the same model without the window.
@@ -22,14 +23,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
-def run(model: str, kv_cache_dtype: str, kv_mib: int, requests: int, prompt: int, output: int) -> dict:
+def run(model: str, kv_cache_dtype: str, kv_mib: int, requests: int, prompt: int, output: int,
+        free_windows: bool = True) -> dict:
     from engine import SamplingParams
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=model, kv_cache_dtype=kv_cache_dtype, kv_cache_bytes=kv_mib << 20,
                                     max_model_len=prompt + output, fake_step_s=0.0, max_num_seqs=256,
-                                    show_progress=False))
+                                    free_out_of_window_blocks=free_windows, show_progress=False))
     rng = random.Random(0)
     params = SamplingParams(max_tokens=output, ignore_eos=True)
     for i in range(requests):
@@ -40,8 +42,10 @@ def run(model: str, kv_cache_dtype: str, kv_mib: int, requests: int, prompt: int
         steps += 1
         peak = max(peak, engine.scheduler.num_running)
     runner = engine.runner
-    return {"blocks": runner.num_kv_blocks, "bytes_per_token": runner.bytes_per_block // runner.block_size,
-            "peak_running": peak, "steps": steps, "window": engine.sliding_window}
+    groups = runner.kv_groups
+    return {"blocks": runner.num_kv_blocks, "block_bytes": runner.bytes_per_block, "groups": groups.num_groups,
+            "bytes_per_token": runner.bytes_per_block * groups.num_groups // runner.block_size,
+            "peak_running": peak, "steps": steps}
 
 
 def mistral_like(folder: Path, window: int | None) -> str:
@@ -85,13 +89,17 @@ def main() -> None:
         print(f"(Gemma 3 270M rows skipped: {e})")
     else:
         for kv in ("auto", "fp8_e4m3"):
-            rows.append(("Gemma 3 270M (15 of 18 layers sliding, all blocks kept)", kv, run("gemma-3-270m", kv, **work)))
+            for free in (False, True):
+                label = ("Gemma 3 270M (15 of 18 layers on a 512 window), "
+                         + ("blocks behind the window freed (6 KV groups)" if free else "every block kept"))
+                rows.append((label, kv, run("gemma-3-270m", kv, **work, free_windows=free)))
     print(f"\n{args.requests} requests of {args.prompt} + {args.output} tokens at once, KV pool {args.kv_mib} MiB "
           "per replica\n")
-    print("| model | KV dtype | bytes/token | blocks | peak sequences running | steps |")
+    print("| model | KV dtype | KV bytes/token, all layers | blocks (bytes each) | peak sequences running | steps |")
     print("|---|---|---:|---:|---:|---:|")
     for label, kv, r in rows:
-        print(f"| {label} | {kv} | {r['bytes_per_token']} | {r['blocks']} | {r['peak_running']} | {r['steps']} |")
+        print(f"| {label} | {kv} | {r['bytes_per_token']} | {r['blocks']} ({r['block_bytes']}) | {r['peak_running']} "
+              f"| {r['steps']} |")
 
 
 if __name__ == "__main__":

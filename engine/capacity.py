@@ -79,10 +79,10 @@ class CapacityReport:
         lines.append(f"in {_size(memory_bytes)}: {self.sequences_that_fit(memory_bytes, seq_len)} sequences of "
                      f"{seq_len} tokens" + (f"; {self.tokens_that_fit(memory_bytes):,} tokens of full-attention KV"
                                             if self.full_bytes_per_token else ""))
-        if any(g.kind == "sliding" for g in self.groups) and any(g.kind == "full" for g in self.groups):
-            lines.append("(kvscale frees blocks behind the window when every layer slides; with full layers beside "
-                         "the sliding ones it keeps every block today, so this bound is what per-group accounting "
-                         "would give)")
+        if any(g.kind == "sliding" for g in self.groups):
+            lines.append("(kvscale's sliding layers give back blocks behind their window, with a block table per "
+                         "layer group where they sit beside full layers: engine/kv_groups.py; a sliding group also "
+                         "holds up to one block more than its window, and during a prefill the chunk being computed)")
         return "\n".join(lines)
 
 

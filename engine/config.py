@@ -25,6 +25,10 @@ class EngineConfig:
     # what the KV pool stores: "auto" (the model's dtype) | "fp8_e4m3" | "fp8_e5m2" (1 byte an element, per-layer
     # scales calibrated at start-up: kernels/kv_cache.py); "fp8" means fp8_e4m3
     kv_cache_dtype: str = "auto"
+    # sliding-window layers give back KV blocks behind their window while a sequence runs, with a block table
+    # per layer group where sliding and full layers mix (engine/kv_groups.py). False keeps every block (windows
+    # still mask attention): the comparison point for benchmarks, and a way out should the grouping misbehave
+    free_out_of_window_blocks: bool = True
     seed: int = 0  # seed of the sampler for unseeded requests
     kv_cache_bytes: int | None = None  # CPU budget for the KV pool; None: DEFAULT_CPU_KV_CACHE_BYTES
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # CUDA: fraction of the device's memory

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.block_manager import cdiv
+from engine.block_manager import BlockManager, cdiv
 from engine.sequence import Sequence
 
 MIN_FINISHED_FOR_ESTIMATE = 16
@@ -22,16 +22,18 @@ def expected_output_len_p90(recent_output_lens: Iterable[int]) -> int | None:
     return recent[int(0.9 * (len(recent) - 1))]
 
 
-def projected_demand_blocks(seqs: Iterable[Sequence], recent_output_lens: Iterable[int], block_size: int,
-                            sliding_window: int | None = None) -> int:
-    """With a sliding window on every layer, a sequence holds at most the blocks its window spans while it
-    decodes (blocks behind it go back to the pool: BlockManager.release_out_of_window)."""
+def projected_demand_blocks(seqs: Iterable[Sequence], recent_output_lens: Iterable[int],
+                            block_manager: BlockManager) -> int:
+    """Blocks of block_manager's pool the sequences will hold at their end, over every KV group: a full group
+    holds the whole sequence, a sliding group at most the blocks its window spans while it decodes (blocks
+    behind it go back to the pool: BlockManager.release_out_of_window)."""
     p90 = expected_output_len_p90(recent_output_lens)
-    cap = cdiv(sliding_window, block_size) + 1 if sliding_window else None
+    bm = block_manager
+    caps = [None if w is None else bm.window_blocks(w) for w in bm.group_windows]
     total = 0
     for seq in seqs:
         max_out = seq.params.max_tokens
         expected_out = max_out if p90 is None else min(max_out, max(p90, seq.num_output_tokens + 1))
-        blocks = cdiv(seq.num_prompt_tokens + expected_out, block_size)
-        total += blocks if cap is None else min(blocks, cap)
+        blocks = cdiv(seq.num_prompt_tokens + expected_out, bm.block_size)
+        total += sum(blocks if cap is None else min(blocks, cap) for cap in caps)
     return total

@@ -108,30 +108,28 @@ class LLMEngine:
         self.structured_outputs = StructuredOutputs(self.tokenizer, self.runner.vocab_size, self.eos_token_ids)
         self.runner.sampler.structured = self.structured_outputs
 
-        pool_tokens = self.runner.num_kv_blocks * config.block_size
+        groups = self.runner.kv_groups
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
+                                          groups.windows)
         max_positions = self.hf_config.max_position_embeddings
+        pool_tokens = self._longest_fitting_sequence(max_positions)
         self.max_model_len = config.max_model_len or min(max_positions, pool_tokens)
         if self.max_model_len > pool_tokens:
             raise ValueError(
-                f"max_model_len={self.max_model_len} needs {self.max_model_len} KV slots, but the pool holds "
-                f"{pool_tokens} ({self.runner.num_kv_blocks} blocks of {config.block_size}); lower max_model_len "
-                "or give the KV cache more memory (num_kv_blocks / kv_cache_bytes)"
+                f"max_model_len={self.max_model_len} needs {self.block_manager.blocks_held(self.max_model_len)} KV "
+                f"blocks for one sequence, but the pool has {self.runner.num_kv_blocks} blocks of {config.block_size} "
+                f"tokens ({groups.describe()}), enough for {pool_tokens} tokens; lower max_model_len or give the KV "
+                "cache more memory (num_kv_blocks / kv_cache_bytes)"
             )
         if self.max_model_len > max_positions:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({max_positions})")
         self.runner.calibrate_kv_scales(self.tokenizer.encode(KV_CALIBRATION_TEXT)[: self.max_model_len])
         self.runner.capture_decode_graphs(self.max_model_len)
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        windows = set(self.runner.model.spec.sliding_windows)
-        # every layer on one window (Mistral-style): blocks behind it go back to the pool as sequences advance.
-        # Models that mix sliding and full layers (Gemma 3) keep every block: their full layers read them all
-        self.sliding_window = windows.pop() if len(windows) == 1 and None not in windows else None
-        if self.sliding_window is not None:
-            logger.info("every layer attends over a %d-token window: KV blocks behind it are freed as sequences "
-                        "advance", self.sliding_window)
+        if any(w is not None for w in groups.windows):
+            logger.info("%s: KV blocks behind a window go back to the pool as sequences advance", groups.describe())
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.eos_token_ids, self.max_model_len, self.sliding_window)
+                                   self.eos_token_ids, self.max_model_len)
         self.output_processor = OutputProcessor(self.tokenizer, self.scheduler)
         self.num_prompt_tokens_total = 0
         self.num_steps_total = 0
@@ -140,6 +138,18 @@ class LLMEngine:
         self.last_step_num_tokens = 0
         self.iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
         self.iteration_tokens_sums = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
+
+    def _longest_fitting_sequence(self, limit: int) -> int:
+        """The most tokens one sequence can reach with the whole pool to itself (at most limit): with sliding
+        groups that give back blocks, more than the pool's blocks times block_size divided by the groups."""
+        bm, chunk = self.block_manager, self.config.max_num_batched_tokens
+        if bm.blocks_held(limit, chunk) <= bm.num_total_blocks:
+            return limit
+        lo, hi = 0, limit  # blocks_held grows with the tokens: the largest lo that fits
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if bm.blocks_held(mid, chunk) <= bm.num_total_blocks else (lo, mid - 1)
+        return lo
 
     def _eos_token_ids(self) -> list[int]:
         ids: set[int] = set()
@@ -295,11 +305,12 @@ class LLMEngine:
     # ---- introspection ----
     def kv_cache_config(self) -> dict[str, str]:
         """The KV cache's fixed facts, in vLLM's cache_config_info names (num_gpu_blocks: blocks of the pool,
-        wherever it lives)."""
+        wherever it lives), plus ours: bytes of one block, and the KV groups that share the pool (a block holds
+        one group's layers)."""
         return {"block_size": str(self.config.block_size), "num_gpu_blocks": str(self.runner.num_kv_blocks),
                 "cache_dtype": str(self.runner.kv_dtype).removeprefix("torch."),
                 "enable_prefix_caching": str(self.config.enable_prefix_caching),
-                "kv_bytes_per_block": str(self.runner.bytes_per_block)}
+                "kv_bytes_per_block": str(self.runner.bytes_per_block), "kv_groups": self.runner.kv_groups.describe()}
 
     def stats(self) -> EngineStats:
         """A snapshot; take it on the thread that drives the engine (AsyncLLM publishes one per step)."""

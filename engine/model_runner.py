@@ -6,6 +6,7 @@ tables), and samples the sequences that reached the end of their known tokens.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from engine.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from engine.kv_groups import KVGroups
 from engine.loader import iter_weights
 from engine.models import get_model_class
 from engine.sampler import Sampler, SamplerOutput
@@ -69,6 +71,10 @@ class ModelRunner:
         spec = model.spec
         self.vocab_size = spec.vocab_size
         self.num_layers, self.num_kv_heads, self.head_dim = spec.num_layers, spec.num_kv_heads, spec.head_dim
+        # which layers share a block table (one group unless sliding and full layers mix: engine/kv_groups.py)
+        self.kv_groups = KVGroups.from_layer_windows(spec.sliding_windows, config.free_out_of_window_blocks)
+        for layer in self.attention_layers():
+            layer.kv_group = self.kv_groups.layer_group[layer.layer_idx]
 
         self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
         # what a fake step (config.fake_step_s) samples: an ordinary token, never an end of sequence
@@ -77,24 +83,32 @@ class ModelRunner:
         # what the KV pool stores: the model's dtype, or fp8 (kernels.kv_cache: quantized with per-layer scales)
         self.kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_budget()
-        # (layers, K/V, blocks, block_size, kv_heads, head_dim): the one large allocation besides weights
-        self.kv_cache = torch.zeros(
-            self.num_layers, 2, self.num_kv_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-            dtype=self.kv_dtype, device=self.device,
-        )
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+        # (layers of a group, K/V, blocks, block_size, kv_heads, head_dim): the one large allocation besides
+        # weights. A block holds K/V of one group's layers; layer i uses slot layer_slot[i] at its group's ids
+        self.kv_cache = self._new_kv_pool(self.num_kv_blocks)
+        self.kv_caches = self._layer_views(self.kv_cache)
         self.graphs = None  # DecodeGraphs once capture_decode_graphs has run (CUDA + Triton, not enforce_eager)
         logger.info("ops: %s backend: %s", self.ops.name, self.ops.description)
-        logger.info("model on %s in %s; KV cache in %s: %d bytes per token, pool %d blocks x %d tokens (%.1f MiB)",
-                    self.device, self.dtype, str(self.kv_dtype).removeprefix("torch."),
-                    self.bytes_per_block // self.block_size, self.num_kv_blocks, self.block_size,
-                    self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+        logger.info("model on %s in %s; KV cache in %s: %d bytes per token in each of %d KV group(s), pool %d blocks "
+                    "x %d tokens (%.1f MiB)", self.device, self.dtype, str(self.kv_dtype).removeprefix("torch."),
+                    self.bytes_per_block // self.block_size, self.kv_groups.num_groups, self.num_kv_blocks,
+                    self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
+        logger.info("%s", self.kv_groups.describe())
 
     @property
     def bytes_per_block(self) -> int:
-        """The seed's M = 2 * L * H_kv * d_head * T * b for one block of T tokens, b the KV dtype's bytes."""
+        """The seed's M = 2 * L * H_kv * d_head * T * b for one block of T tokens, b the KV dtype's bytes and L
+        the layers of one KV group (every layer when the model has one group)."""
         elem = torch.empty(0, dtype=self.kv_dtype).element_size()
-        return self.num_layers * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.kv_groups.group_size * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def _new_kv_pool(self, num_blocks: int) -> torch.Tensor:
+        return torch.zeros(self.kv_groups.group_size, 2, num_blocks, self.block_size, self.num_kv_heads,
+                           self.head_dim, dtype=self.kv_dtype, device=self.device)
+
+    def _layer_views(self, pool: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (K, V) pages: its slot of the pool."""
+        return [(pool[slot, 0], pool[slot, 1]) for slot in self.kv_groups.layer_slot]
 
     def attention_layers(self) -> list[Any]:
         from engine.models.layers import Attention
@@ -107,10 +121,12 @@ class ModelRunner:
         blocks, in forwards of `chunk` tokens (None: one; 1: as decoding reads them, every earlier token from the
         cache). Only while no request holds blocks (start-up, tests, benchmarks)."""
         num_blocks = -(-len(token_ids) // self.block_size)
-        if num_blocks > self.num_kv_blocks:
-            raise ValueError(f"{len(token_ids)} tokens need {num_blocks} KV blocks; the pool has {self.num_kv_blocks}")
+        num_groups = self.kv_groups.num_groups
+        if num_blocks * num_groups > self.num_kv_blocks:
+            raise ValueError(f"{len(token_ids)} tokens need {num_blocks * num_groups} KV blocks; the pool has "
+                             f"{self.num_kv_blocks}")
         seq = Sequence("prompt-logits", 0, list(token_ids), SamplingParams(max_tokens=1))
-        seq.block_ids = list(range(num_blocks))
+        seq.block_tables = [list(range(g * num_blocks, (g + 1) * num_blocks)) for g in range(num_groups)]
         logits = []
         for start in range(0, len(token_ids), chunk or len(token_ids)):
             seq.num_computed_tokens = start
@@ -130,7 +146,7 @@ class ModelRunner:
         for layer in layers:
             layer.calibrate_kv = True
         try:
-            self.prompt_logits(token_ids[: self.num_kv_blocks * self.block_size])
+            self.prompt_logits(token_ids[: self.num_kv_blocks // self.kv_groups.num_groups * self.block_size])
         finally:
             for layer in layers:
                 layer.calibrate_kv = False
@@ -156,7 +172,7 @@ class ModelRunner:
         """Peak memory of one whole warm-up step at the largest batch the scheduler can form (CUDA only):
         every layer, the logits and sampling, over a scratch KV pool just large enough for it."""
         batch, num_blocks = warmup_batch(self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                         self.block_size)
+                                         self.block_size, self.kv_groups.num_groups)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
@@ -168,10 +184,9 @@ class ModelRunner:
 
     def run_warmup(self, batch: ScheduledBatch, num_blocks: int) -> None:
         """Run `batch` (from warmup_batch) against a scratch KV pool of num_blocks blocks, then drop the pool."""
-        scratch = torch.zeros(self.num_layers, 2, num_blocks, self.block_size, self.num_kv_heads, self.head_dim,
-                              dtype=self.kv_dtype, device=self.device)
+        scratch = self._new_kv_pool(num_blocks)
         saved = getattr(self, "kv_caches", None)
-        self.kv_caches = [(scratch[i, 0], scratch[i, 1]) for i in range(self.num_layers)]
+        self.kv_caches = self._layer_views(scratch)
         try:
             self.execute(batch)
         finally:
@@ -184,6 +199,10 @@ class ModelRunner:
         """On CUDA with the Triton ops, capture decode steps as CUDA graphs (engine/cuda_graphs.py). Called by
         the engine once max_model_len is known, since attention is captured for the longest context."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.ops.name != "triton":
+            return
+        if self.kv_groups.num_groups > 1:
+            logger.info("decode steps run eagerly: CUDA graphs are captured for one block table per sequence, and "
+                        "this model has %d KV groups", self.kv_groups.num_groups)
             return
         from engine.cuda_graphs import DecodeGraphs, capture_sizes
 
@@ -200,9 +219,9 @@ class ModelRunner:
         for seq, start, n in zip(seqs, starts, query_lens):
             input_ids.extend(seq.token_ids[start : start + n])
         seq_lens = [st + n for st, n in zip(starts, query_lens)]
-        max_blocks = max(len(s.block_ids) for s in seqs)
-        block_tables = torch.tensor([s.block_ids + [0] * (max_blocks - len(s.block_ids)) for s in seqs],
-                                    dtype=torch.int32)
+        max_blocks = max(len(s.block_tables[0]) for s in seqs)
+        group_tables = [torch.tensor([s.block_tables[g] + [0] * (max_blocks - len(s.block_tables[g])) for s in seqs],
+                                     dtype=torch.int32) for g in range(self.kv_groups.num_groups)]
 
         qlens_t = torch.tensor(query_lens)
         cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
@@ -210,17 +229,23 @@ class ModelRunner:
         seq_idx = torch.repeat_interleave(torch.arange(len(seqs)), qlens_t)  # (T,)
         positions = torch.arange(len(input_ids)) - cu[:-1].long()[seq_idx] + torch.tensor(starts)[seq_idx]
         bs = self.block_size
-        slot_mapping = block_tables[seq_idx, positions // bs].long() * bs + positions % bs
+        block_index, offset = positions // bs, positions % bs
+        slot_mappings = [t[seq_idx, block_index].long() * bs + offset for t in group_tables]
         sample_rows = batch.sample_rows()
         logits_idx = (cu[1:] - 1).long()[sample_rows]
 
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(dev), query_start_loc=cu.to(dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev), block_tables=block_tables.to(dev),
+            slot_mapping=slot_mappings[0].to(dev), query_start_loc=cu.to(dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev), block_tables=group_tables[0].to(dev),
             query_lens_host=list(query_lens), seq_lens_host=seq_lens,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens), scratch=self.attention_scratch,
         )
+        if len(group_tables) > 1:
+            meta.group_metas = [meta] + [
+                dataclasses.replace(meta, slot_mapping=m.to(dev), block_tables=t.to(dev), plans={})
+                for m, t in zip(slot_mappings[1:], group_tables[1:])
+            ]
         return torch.tensor(input_ids, device=dev), positions.to(dev), meta, sample_rows, logits_idx.to(dev)
 
     @torch.inference_mode()
@@ -240,10 +265,11 @@ class ModelRunner:
         return self.sampler(logits, [batch.seqs[i] for i in sample_rows])
 
 
-def warmup_batch(max_num_seqs: int, max_num_batched_tokens: int, block_size: int) -> tuple[ScheduledBatch, int]:
+def warmup_batch(max_num_seqs: int, max_num_batched_tokens: int, block_size: int,
+                 num_groups: int = 1) -> tuple[ScheduledBatch, int]:
     """The largest step the scheduler can form: the whole token budget as prefills spread over as many
     sequences as may run, every one of them sampling (so the logits and the sampler are at their largest too).
-    Returns the batch and the KV blocks it needs, numbered from 0."""
+    Returns the batch and the KV blocks it needs (in every one of num_groups KV groups), numbered from 0."""
     num_seqs = max(1, min(max_num_seqs, max_num_batched_tokens))
     base, extra = divmod(max_num_batched_tokens, num_seqs)
     batch, next_block = ScheduledBatch(), 0
@@ -251,8 +277,10 @@ def warmup_batch(max_num_seqs: int, max_num_batched_tokens: int, block_size: int
         n = base + (1 if i < extra else 0)
         seq = Sequence(f"warmup-{i}", 0, [0] * n, SamplingParams(max_tokens=1))
         num_blocks = -(-n // block_size)
-        seq.block_ids = list(range(next_block, next_block + num_blocks))
-        next_block += num_blocks
+        seq.block_tables = []
+        for _ in range(num_groups):
+            seq.block_tables.append(list(range(next_block, next_block + num_blocks)))
+            next_block += num_blocks
         batch.seqs.append(seq)
         batch.num_new_tokens.append(n)
     return batch, next_block

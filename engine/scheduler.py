@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
+from engine.block_manager import BlockManager, PrefixBlocks
 from engine.kv_demand import projected_demand_blocks
 from engine.sequence import Sequence, SequenceStatus
 
@@ -60,12 +60,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None,
-                 sliding_window: int | None = None) -> None:
-        self.block_manager = block_manager
-        # every layer attends over this many tokens (Mistral-style): blocks behind the window go back as
-        # sequences advance. None: some layer keeps full KV, so every block stays
-        self.sliding_window = sliding_window
+                 eos_token_ids: Iterable[int] = (), max_model_len: int | None = None) -> None:
+        self.block_manager = block_manager  # knows the KV groups and their windows
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -114,8 +110,7 @@ class Scheduler:
 
     def projected_demand_blocks(self) -> int:
         """Blocks the live sequences will hold at their end, not just now (see engine.kv_demand)."""
-        return projected_demand_blocks(self.live_sequences(), self.recent_output_lens, self.block_manager.block_size,
-                                       self.sliding_window)
+        return projected_demand_blocks(self.live_sequences(), self.recent_output_lens, self.block_manager)
 
     # ---- after the model ran ----
     def update_from_output(self, batch: ScheduledBatch, sampled_token_ids: Iterable[int]) -> list[Sequence]:
@@ -126,8 +121,7 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += n
             self.block_manager.register_full_blocks(seq)
-            if self.sliding_window is not None:
-                self.block_manager.release_out_of_window(seq, self.sliding_window)
+            self.block_manager.release_out_of_window(seq)
         sampled = []
         for row, token in zip(rows, sampled_token_ids, strict=True):
             seq = batch.seqs[row]
@@ -181,12 +175,11 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            admission = self._admission_prefix(seq)
-            if admission is None:
+            prefix = self._admission_prefix(seq)
+            if prefix is None:
                 break  # sample 1 of its request has not computed the shared prompt yet
-            prefix, num_released = admission
-            num_new = min(seq.num_tokens - len(prefix) * bm.block_size, budget)
-            if not bm.admit(seq, prefix, num_new, num_released):
+            num_new = min(seq.num_tokens - prefix.num_blocks * bm.block_size, budget)
+            if not bm.admit(seq, prefix, num_new):
                 self.num_waiting_for_kv = len(self.waiting)
                 break  # FCFS: nobody overtakes the head of the queue
             self.waiting.popleft()
@@ -197,25 +190,25 @@ class Scheduler:
             budget -= num_new
         return batch
 
-    def _admission_prefix(self, seq: Sequence) -> tuple[list[int], int] | None:
-        """(leading blocks to share, how many of them are released placeholders), or None to wait."""
+    def _admission_prefix(self, seq: Sequence) -> PrefixBlocks | None:
+        """The leading blocks to share (from the prefix cache, or sample 1's computed prompt), or None to wait."""
+        bm = self.block_manager
         parent = seq.parent
-        cached = self.block_manager.find_cached_prefix(seq) if parent is None or parent.is_finished else None
-        if cached is not None:
-            return cached, 0
+        if parent is None or parent.is_finished:
+            return bm.find_cached_prefix(seq)
         if parent.status is not SequenceStatus.RUNNING or not parent.is_prompt_computed:
             return None
-        bs = self.block_manager.block_size
+        bs = bm.block_size
         num_shared = min(parent.num_computed_tokens // bs, (seq.num_prompt_tokens - 1) // bs)
-        released = min(parent.num_released_blocks, num_shared)
-        if released and self.sliding_window is not None:
+        released = [min(r, num_shared) for r in parent.num_released_blocks]
+        for g, window in enumerate(bm.group_windows):
             # the sibling starts at num_shared * bs: what the parent released must be behind its window too
-            if released > self.block_manager.first_visible_block(num_shared * bs, self.sliding_window):
+            if window is not None and released[g] > bm.first_visible_block(num_shared * bs, window):
                 num_shared = 0
-                released = 0
-        shared = parent.block_ids[:num_shared]
-        cached = self.block_manager.find_cached_prefix(seq)
-        return (cached, 0) if len(cached) > len(shared) else (shared, released)
+        shared = PrefixBlocks([t[:num_shared] for t in parent.block_tables],
+                              [min(r, num_shared) for r in released])
+        cached = bm.find_cached_prefix(seq)
+        return cached if cached.num_blocks > shared.num_blocks else shared
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

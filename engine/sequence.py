@@ -36,12 +36,15 @@ class Sequence:
     num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0  # tokens whose K/V sit in the cache
     num_cached_tokens: int = 0  # of the prompt, how many came from the prefix cache / a sibling
-    block_ids: list[int] = field(default_factory=list)
+    # one block table per KV group (engine.kv_groups; one group unless the model mixes window kinds), all of
+    # the same length: block i of every table holds positions i * block_size on. [] while it holds no blocks
+    block_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full token blocks
     num_registered_blocks: int = 0  # leading blocks already offered to the prefix cache
-    # sliding-window models: leading blocks given back to the pool because no future query can see them; their
-    # block_ids entries stay as placeholders (never read: outside every window), so positions keep their index
-    num_released_blocks: int = 0
+    # per group with a sliding window: leading blocks given back to the pool because no future query can see
+    # them; their table entries stay as placeholders (never read: outside every window), so positions keep
+    # their index
+    num_released_blocks: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it

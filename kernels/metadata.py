@@ -32,6 +32,13 @@ class AttentionMetadata:
     scratch: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
     plans: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)  # per-step work an op
     # derives from the above and every layer would otherwise rebuild (index tensors, masks)
+    # Models with several KV groups (engine.kv_groups): one metadata per group, the first being this one; the
+    # others differ only in slot_mapping, block_tables and plans. None: one group
+    group_metas: list[AttentionMetadata] | None = field(default=None, repr=False, compare=False)
+
+    def for_group(self, group: int) -> AttentionMetadata:
+        """The metadata a layer of KV group `group` attends with."""
+        return self if self.group_metas is None else self.group_metas[group]
 
     @property
     def num_seqs(self) -> int:

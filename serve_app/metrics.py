@@ -68,7 +68,8 @@ HISTOGRAMS = {
                                   "unset).", TOKEN_BUCKETS),
     "iteration_tokens_total": ("Tokens per engine step (prefill chunks and decodes together).", None),
 }
-CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "kv_bytes_per_block")
+CACHE_CONFIG_LABELS = ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "kv_bytes_per_block",
+                       "kv_groups")
 # fleet-wide, from the board and the autoscaling policy
 FLEET_GAUGES = {
     "num_replicas": "Engine replicas reporting now.",

@@ -101,10 +101,10 @@ def test_n_samples_share_prompt_blocks(llm):
     seqs = engine.output_processor.requests["share"].seqs
     outputs = []
     while engine.has_unfinished_requests():
-        if all(s.block_ids for s in seqs):
+        if all(s.block_tables for s in seqs):
             shared = len(p) // 16 - (1 if len(p) % 16 == 0 else 0)
-            assert seqs[0].block_ids[:shared] == seqs[1].block_ids[:shared] == seqs[2].block_ids[:shared]
-            assert all(engine.block_manager.ref_counts[b] >= 3 for b in seqs[0].block_ids[:shared])
+            assert seqs[0].block_tables[0][:shared] == seqs[1].block_tables[0][:shared] == seqs[2].block_tables[0][:shared]
+            assert all(engine.block_manager.ref_counts[b] >= 3 for b in seqs[0].block_tables[0][:shared])
             break
         outputs += engine.step()
     while engine.has_unfinished_requests():
@@ -248,7 +248,7 @@ def test_warmup_step_is_the_largest_the_scheduler_can_form_and_runs_the_whole_mo
 
     batch, num_blocks = warmup_batch(max_num_seqs=5, max_num_batched_tokens=70, block_size=16)
     assert batch.num_tokens == 70 and len(batch.seqs) == 5 and batch.sample_rows() == [0, 1, 2, 3, 4]
-    assert num_blocks == sum(len(s.block_ids) for s in batch.seqs) == 5  # 14 tokens each: one block
+    assert num_blocks == sum(len(s.block_tables[0]) for s in batch.seqs) == 5  # 14 tokens each: one block
     runner = llm.engine.runner
     pool_before = runner.kv_cache.clone()
     calls = []

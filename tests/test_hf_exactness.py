@@ -98,13 +98,14 @@ def test_prefix_cache_hits_match_hf(hf_reference, variant):
 
 
 @pytest.mark.parametrize("variant,blocks,budget", [("llama-gqa", 8, 2048), ("qwen3-qknorm", 8, 2048),
-                                                   ("gemma3-sliding-full", 8, 2048), ("mistral-sliding-window", 4, 9)])
+                                                   ("gemma3-sliding-full", 24, 2048), ("mistral-sliding-window", 4, 9)])
 def test_preemption_matches_hf(hf_reference, variant, blocks, budget):
     path, prompts, expected = hf_reference(variant)
     # 8 blocks of 16 = 128 slots for six requests needing ~190: some must be preempted and recomputed. With a
     # 12-token window on every layer a sequence holds at most 2 blocks once decoding, so 8 would be plenty:
-    # 4 blocks and 9-token prefill chunks (many sequences prefilling at once) force preemptions there.
-    ours, llm = _ours(path, prompts, num_kv_blocks=blocks, max_model_len=blocks * 16, max_num_batched_tokens=budget)
+    # 4 blocks and 9-token prefill chunks (many sequences prefilling at once) force preemptions there. Gemma 3
+    # (2 sliding layers, 1 full) has 3 KV groups, each with its own table: 24 blocks are 8 per group.
+    ours, llm = _ours(path, prompts, num_kv_blocks=blocks, max_model_len=128, max_num_batched_tokens=budget)
     assert ours == expected
     assert llm.stats().num_preemptions_total > 0
     assert llm.stats().num_free_blocks == blocks

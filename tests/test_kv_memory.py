@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.sequence import SequenceStatus
 
 KL_BOUND = {"fp8_e4m3": 0.02, "fp8_e5m2": 0.05}
 NEAR_TIE = 0.1  # nats between bf16 KV's top two candidates
@@ -179,41 +180,82 @@ def test_gemma3_270m_loads_offline_matches_hf_and_continues_text():
 
 
 # ---- sliding-window KV that frees memory ----
-def test_sliding_window_holds_at_most_its_window_and_stays_hf_exact(make_tiny_model):
-    """Mistral-style, every layer on a 20-token window, 16-token blocks: once decoding, a sequence holds at most
-    the 3 blocks its window spans, however long it runs; outputs stay HF's; everything is free at the end.
-    n = 2 samples share the prompt's blocks."""
+def test_kv_groups_follow_the_layer_kinds():
+    from engine.kv_groups import KVGroups
+
+    gemma_270m = (["s"] * 5 + [None]) * 3  # 15 sliding, 3 full: groups of gcd(15, 3) = 3 layers
+    g = KVGroups.from_layer_windows([512 if w else None for w in gemma_270m])
+    assert g.group_size == 3 and g.windows == (512,) * 5 + (None,)
+    assert [i for i in range(18) if g.layer_group[i] == 5] == [5, 11, 17]  # the full layers
+    assert [i for i in range(18) if g.layer_group[i] == 1] == [3, 4, 6]  # sliding layers in order
+    assert sorted(zip(g.layer_group, g.layer_slot)) == [(grp, slot) for grp in range(6) for slot in range(3)]
+    assert KVGroups.from_layer_windows([None] * 4).windows == (None,)  # one kind: one group of every layer
+    assert KVGroups.from_layer_windows([20] * 4).windows == (20,)
+    kept = KVGroups.from_layer_windows([512 if w else None for w in gemma_270m], free_out_of_window=False)
+    assert kept.windows == (None,) and kept.group_size == 18
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma3"])
+def test_sliding_window_holds_at_most_its_window_and_stays_hf_exact(make_tiny_model, arch):
+    """Every layer on a 20-token window (Mistral), or 4 sliding layers on it beside 2 full ones (Gemma 3: three
+    KV groups of 2 layers); 16-token blocks. Once decoding, each sliding group of a sequence holds at most the
+    3 blocks its window spans, however long it runs, while a full group holds every block. Outputs stay HF's
+    (fp32) under chunked prefill, n = 2 samples sharing the prompt, prefix-cache hits and preemptions, and
+    everything is free at the end."""
     import sys
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench.models import hf_greedy
 
-    path = make_tiny_model("mistral", sliding_window=20)
+    if arch == "mistral":
+        path = make_tiny_model("mistral", sliding_window=20)
+        windows, num_blocks = (20,), 10
+    else:
+        kinds = ["sliding_attention", "sliding_attention", "full_attention"] * 2
+        path = make_tiny_model("gemma3", num_hidden_layers=6, layer_types=kinds, sliding_window=20)
+        windows, num_blocks = (20, 20, None), 26
     prompts = [[(7 * i + 3) % 40000 + 5 for i in range(n)] for n in (5, 40, 70)]
     want = hf_greedy(path, prompts, 60)
-    llm = LLM(path, dtype="float32", num_kv_blocks=24, max_model_len=160, max_num_batched_tokens=24,
+    # sent when the third ends: its prompt and most of its output, which sit in the prefix cache by then
+    prompts.append(prompts[2] + want[2][:56] + [11, 12, 13])
+    want += hf_greedy(path, prompts[3:], 60)
+    llm = LLM(path, dtype="float32", num_kv_blocks=num_blocks, max_model_len=200, max_num_batched_tokens=24,
               show_progress=False)
     engine = llm.engine
-    assert engine.sliding_window == 20
+    assert engine.block_manager.group_windows == windows
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True, n=2)
-    for i, p in enumerate(prompts):
+    for i, p in enumerate(prompts[:3]):
         engine.add_request(f"r{i}", p, params)
-    outputs, peak_decode = {}, 0
+    outputs, peak_decode, r3_cached = {}, 0, None
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 outputs[out.request_id] = out
+        if "r2" in outputs and "r3" not in engine.output_processor.requests and "r3" not in outputs:
+            engine.add_request("r3", prompts[3], params)
+        r3 = engine.output_processor.requests.get("r3")
+        if r3 is not None and r3_cached is None and r3.seqs[0].status is SequenceStatus.RUNNING:
+            r3_cached = r3.seqs[0].num_cached_tokens
         for seq in engine.scheduler.running:
-            held = len(seq.block_ids) - seq.num_released_blocks
-            if seq.num_computed_tokens >= seq.num_prompt_tokens:  # decoding: the window bounds it
-                peak_decode = max(peak_decode, held)
-                assert held <= -(-20 // 16) + 1, (seq.seq_id, held, seq.num_computed_tokens)
+            for table, released, window in zip(seq.block_tables, seq.num_released_blocks, windows):
+                held = len(table) - released
+                if window is None:
+                    assert released == 0  # a full group keeps every block
+                elif seq.num_computed_tokens >= seq.num_prompt_tokens:  # decoding: the window bounds it
+                    peak_decode = max(peak_decode, held)
+                    assert held <= -(-20 // 16) + 1, (seq.seq_id, held, seq.num_computed_tokens)
         engine.block_manager.check_invariants(list(engine.scheduler.live_sequences()))
-        # what the autoscaler sees: each sequence will hold its window's blocks, not its whole length's
+        # what the autoscaler sees: each sliding group of a sequence will hold its window's blocks, not its length's
         live = list(engine.scheduler.live_sequences())
-        assert engine.scheduler.projected_demand_blocks() <= 3 * len(live)
+        full_groups = windows.count(None)
+        assert engine.scheduler.projected_demand_blocks() <= sum(
+            3 * (len(windows) - full_groups) + full_groups * -(-(s.num_prompt_tokens + 60) // 16) for s in live)
     assert peak_decode >= 2  # the bound was reached, not trivially met
     for i, p in enumerate(prompts):
-        assert [c.token_ids for c in outputs[f"r{i}"].outputs] == [want[i]] * 2
-    assert llm.stats().num_free_blocks == 24
+        assert [c.token_ids for c in outputs[f"r{i}"].outputs] == [want[i]] * 2, i
+    stats = llm.stats()
+    assert stats.num_free_blocks == num_blocks
+    assert stats.num_preemptions_total > 0  # the pool was short: sequences were preempted and recomputed
+    # r3 took r2's first 7 blocks from the cache (a sliding group only the 2 its window reaches)
+    assert r3_cached == 7 * 16, r3_cached

@@ -56,7 +56,7 @@ def test_metrics_text_parses_with_every_series_and_the_model_label(llm):
     metrics.request_finished("length", n=3, max_tokens=4, num_prompt_tokens=3, held=0.25, start=outs[0].metrics.arrival_time,
                              end=outs[0].metrics.last_token_time, metrics=outs[0].metrics)
     cache = {"block_size": "16", "num_gpu_blocks": "64", "cache_dtype": "float32", "enable_prefix_caching": "False",
-             "kv_bytes_per_block": "4096"}
+             "kv_bytes_per_block": "4096", "kv_groups": "1 KV group(s) of 2 layer(s): 1 full"}
     snap = metrics.snapshot(llm.stats(), cache_config=cache, max_model_len=256, healthy=True)
     autoscaler = {"autoscaler_current_replicas": 1, "autoscaler_desired_replicas": 2, "autoscaler_demand_blocks": 90.0,
                   "autoscaler_needed_replicas": 2, "decisions": {"up:kv_demand": 1}}
@@ -86,7 +86,8 @@ def test_metrics_text_parses_with_every_series_and_the_model_label(llm):
 
 def test_no_autoscaler_report_leaves_its_gauges_empty(llm):
     snap = ReplicaMetrics().snapshot(llm.stats(), cache_config=dict.fromkeys(
-        ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "kv_bytes_per_block"), "x"),
+        ("block_size", "num_gpu_blocks", "cache_dtype", "enable_prefix_caching", "kv_bytes_per_block", "kv_groups"),
+        "x"),
         max_model_len=256, healthy=True)
     samples = [s for fam in text_string_to_metric_families(render({"r": snap}, None, "m")) for s in fam.samples]
     names = {s.name for s in samples}

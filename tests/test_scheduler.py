@@ -12,8 +12,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 
-def make(num_blocks=8, block_size=4, max_seqs=8, budget=16, caching=True):
-    bm = BlockManager(num_blocks, block_size, caching)
+def make(num_blocks=8, block_size=4, max_seqs=8, budget=16, caching=True, windows=(None,)):
+    bm = BlockManager(num_blocks, block_size, caching, windows)
     return bm, Scheduler(bm, max_seqs, budget)
 
 
@@ -68,7 +68,7 @@ def test_preempts_most_recent_and_requeues_it_first():
     assert bm.num_free_blocks == 1
     run_step(sch)  # a takes the last block for token 5; b needs one too: b is preempted
     assert sch.num_preemptions_total == 1
-    assert b.status is SequenceStatus.WAITING and sch.waiting[0] is b and b.block_ids == []
+    assert b.status is SequenceStatus.WAITING and sch.waiting[0] is b and b.block_tables == []
     assert b.num_computed_tokens == 0 and b.num_output_tokens == 1  # its token is kept and recomputed
     bm.check_invariants(sch.live_sequences())
 
@@ -83,8 +83,8 @@ def test_siblings_share_prompt_blocks_after_leader_prefill():
     assert seqs[1].status is SequenceStatus.WAITING  # waits for the leader's prompt
     run_step(sch)
     assert all(s.status is SequenceStatus.RUNNING for s in seqs)
-    assert seqs[1].block_ids[:2] == seqs[0].block_ids[:2] == seqs[2].block_ids[:2]
-    assert bm.ref_counts[seqs[0].block_ids[0]] == 3
+    assert seqs[1].block_tables[0][:2] == seqs[0].block_tables[0][:2] == seqs[2].block_tables[0][:2]
+    assert bm.ref_counts[seqs[0].block_tables[0][0]] == 3
     assert seqs[1].num_cached_tokens == 8
     bm.check_invariants(sch.live_sequences())
 
@@ -116,17 +116,18 @@ ops = st.lists(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, num_blocks=st.integers(11, 24), block_size=st.sampled_from([2, 4, 8]),
        budget=st.integers(1, 48), max_seqs=st.integers(1, 6), caching=st.booleans(),
-       window=st.one_of(st.none(), st.integers(1, 20)))
-def test_fuzz_invariants(ops, num_blocks, block_size, budget, max_seqs, caching, window):
-    """window: every layer slides over it, so blocks behind it are released as sequences advance."""
-    bm, sch = make(num_blocks, block_size, max_seqs, budget, caching)
-    sch.sliding_window = window
-    capacity = num_blocks * block_size
+       window=st.integers(1, 20), layout=st.sampled_from(["full", "sliding", "hybrid", "hybrid3"]))
+def test_fuzz_invariants(ops, num_blocks, block_size, budget, max_seqs, caching, window, layout):
+    """KV groups as the engine forms them: one full group; one sliding group (every layer on `window`, Mistral);
+    a sliding and a full group (Gemma 3); a full and two sliding groups. Sliding groups release the blocks
+    behind the window as sequences advance, full groups keep theirs."""
+    windows = {"full": (None,), "sliding": (window,), "hybrid": (window, None), "hybrid3": (None, window, window)}
+    bm, sch = make(num_blocks, block_size, max_seqs, budget, caching, windows[layout])
     added: list[Sequence] = []
     for op in ops:
         if op[0] == "add":
             _, n_prompt, max_tokens, n, prefix_family = op
-            if n_prompt + max_tokens > capacity:  # what LLMEngine refuses up front
+            if bm.blocks_held(n_prompt + max_tokens, budget) > num_blocks:  # what LLMEngine refuses up front
                 continue
             group = new_seq(f"r{len(added)}", n_prompt, max_tokens, n, first_token=prefix_family * 1000)
             for s in group:
@@ -142,10 +143,11 @@ def test_fuzz_invariants(ops, num_blocks, block_size, budget, max_seqs, caching,
         bm.check_invariants(list(sch.live_sequences()))
         assert bm.num_free_blocks + bm.num_used_blocks == bm.num_total_blocks
         assert all(r >= 0 for r in bm.ref_counts)
-        if window is not None:  # nothing a future query can see was given back; nothing behind it is held
-            for s in sch.running:
-                first_needed = max(0, s.num_computed_tokens - window + 1) // block_size
-                assert s.num_released_blocks == min(first_needed, len(s.block_ids)) or s.num_computed_tokens == 0
+        for s in sch.running:  # nothing a future query can see was given back; nothing behind a window is held
+            first_needed = max(0, s.num_computed_tokens - window + 1) // block_size
+            for g, w in enumerate(bm.group_windows):
+                released = s.num_released_blocks[g]
+                assert released == (0 if w is None else min(first_needed, len(s.block_tables[g])))
     for _ in range(2000):  # drain: everything that was not aborted must finish
         if not sch.has_unfinished:
             break
@@ -178,12 +180,16 @@ def test_projected_demand_counts_what_sequences_will_hold_at_their_end():
 
     (a,) = new_seq("a", 10, max_tokens=30)  # block_size 4: (10 + 30) / 4 = 10 blocks at the end
     (b,) = new_seq("b", 3, max_tokens=2)  # 2 blocks
-    assert projected_demand_blocks([a, b], [], 4) == 12  # too few finished: trust max_tokens
+    bm = BlockManager(64, 4)
+    assert projected_demand_blocks([a, b], [], bm) == 12  # too few finished: trust max_tokens
     recent = [6] * 20  # most outputs end after 6 tokens: a is expected at (10 + 6) / 4 = 4 blocks
-    assert projected_demand_blocks([a, b], recent, 4) == 4 + 2
+    assert projected_demand_blocks([a, b], recent, bm) == 4 + 2
     a.token_ids.extend([7] * 9)  # a already has 9 outputs: never expect fewer than it has + 1
-    assert projected_demand_blocks([a], recent, 4) == 5
-    assert projected_demand_blocks([a], recent, 4, sliding_window=6) == 3  # a window of 6 spans 3 blocks of 4
+    assert projected_demand_blocks([a], recent, bm) == 5
+    sliding = BlockManager(64, 4, group_windows=(6,))
+    assert projected_demand_blocks([a], recent, sliding) == 3  # a window of 6 spans 3 blocks of 4
+    # Gemma 3-like: a full group holds all 5 blocks, each of two sliding groups at most 3
+    assert projected_demand_blocks([a], recent, BlockManager(64, 4, group_windows=(6, None, 6))) == 3 + 5 + 3
 
 
 def test_update_from_output_ends_on_eos_stop_ids_and_length_and_frees_blocks():
@@ -200,7 +206,7 @@ def test_update_from_output_ends_on_eos_stop_ids_and_length_and_frees_blocks():
     batch = sch.schedule()
     assert sch.update_from_output(batch, [2, 9, 2, 3]) == [a, b, c, d]
     assert a.finish_reason is None  # EOS before min_tokens does not count
-    assert b.finish_reason == "stop" and b.stop_reason == 9 and b.block_ids == []
+    assert b.finish_reason == "stop" and b.stop_reason == 9 and b.block_tables == []
     assert c.finish_reason is None  # ignore_eos
     assert d.finish_reason is None and d.num_tokens == 11
     batch = sch.schedule()

@@ -87,6 +87,7 @@ class Attention(nn.Module):
         # the runner's calibration (calibrate_kv: this forward sets them from the K and V it is about to write)
         self.k_scale, self.v_scale = 1.0, 1.0
         self.calibrate_kv = False
+        self.kv_group = 0  # which KV group's block tables it reads (engine.kv_groups; set by the runner)
 
     def forward(self, hidden, positions, rope, kv_cache, meta: AttentionMetadata):
         num_tokens = hidden.shape[0]
@@ -100,6 +101,7 @@ class Attention(nn.Module):
             k, _ = self.k_norm(k)
         q, k = self.ops.rotary(q, k, positions, *rope)
         k_cache, v_cache = kv_cache
+        meta = meta.for_group(self.kv_group)
         if self.calibrate_kv:
             self.k_scale, self.v_scale = kv_scale(k, k_cache.dtype), kv_scale(v, v_cache.dtype)
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
