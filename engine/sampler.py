@@ -1,7 +1,10 @@
 """Sampler: next tokens for a batch of sequences, one batched tensor op per rule.
 
 Order (vLLM's): grammar mask -> min_tokens mask -> logit bias -> penalties -> temperature -> top-k -> top-p
--> min-p -> sample. The grammar mask (engine.structured_output) touches only the rows of constrained
+-> min-p -> sample. Logprobs are those of the distribution after temperature (and the masks, bias and
+penalties before it), the one sampled from up to top-k / top-p / min-p truncation: what an RL trainer's
+importance ratio needs (vLLM's logprobs_mode="processed_logprobs" without the truncation). Greedy rows report
+temperature 1. The grammar mask (engine.structured_output) touches only the rows of constrained
 sequences, and the tokens they sample are handed back to their grammars.
 Sampling draws exponential noise and takes argmax(p / noise), which samples from p exactly. A request
 with a seed draws its noise from its own generator, so its tokens do not depend on what else is batched.
@@ -60,7 +63,6 @@ class Sampler:
         logits = logits[:, : self.vocab_size]
         params = [s.params for s in seqs]
         want_logprobs = any(p.logprobs is not None for p in params)
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
 
         constrained = self.structured is not None and self.structured.num_live > 0
         if constrained:
@@ -77,12 +79,14 @@ class Sampler:
         if all(greedy):
             token_ids = logits.argmax(dim=-1)
         else:
+            temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=logits.device)
+            logits = logits / temps[:, None]
             token_ids = self._sample(logits, seqs, greedy)
         token_list = token_ids.tolist()
         if constrained:
             for seq_id, token in zip(seq_ids, token_list):
                 self.structured.accept(seq_id, token)
-        lp = self._gather_logprobs(raw_logprobs, token_ids, params) if raw_logprobs is not None else None
+        lp = self._gather_logprobs(torch.log_softmax(logits, dim=-1), token_ids, params) if want_logprobs else None
         return SamplerOutput(token_list, lp)
 
     def _mask_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -127,11 +131,10 @@ class Sampler:
         return logits - freq * counts - pres * (counts > 0).float()
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence], greedy: list[bool]) -> torch.Tensor:
+        """logits: already divided by each row's temperature (greedy rows by 1)."""
         dev, (batch, vocab) = logits.device, logits.shape
         params = [s.params for s in seqs]
         greedy_ids = logits.argmax(dim=-1)
-        temps = torch.tensor([1.0 if g else p.temperature for g, p in zip(greedy, params)], device=dev)
-        logits = logits / temps[:, None]
 
         top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
         top_p = [p.top_p for p in params]

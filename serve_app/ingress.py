@@ -343,10 +343,16 @@ class OpenAIIngress:
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         return await self._collect(rid, kind, req, merged, n, created, len(requests), make_parser)
 
-    def _choice_chunk(self, kind: str, index: int, c: ChoiceDelta, first: bool, parser) -> dict[str, Any]:
+    def _choice_chunk(self, kind: str, index: int, c: ChoiceDelta, first: bool, parser,
+                      prompt_ids: list[int] | None) -> dict[str, Any]:
+        """One choice of a stream chunk. prompt_ids: the prompt's token ids when return_token_ids asked for them
+        (sent on the choice's first chunk), else None."""
         lp = _format_logprobs(kind, c.logprobs) if c.logprobs is not None else None
+        ids: dict[str, Any] = {}
+        if prompt_ids is not None:
+            ids = {"prompt_token_ids": prompt_ids, "token_ids": c.token_ids} if first else {"token_ids": c.token_ids}
         if kind == "completion":
-            return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason}
+            return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason, **ids}
         reasoning, content = parser.feed(c.text)
         calls = None
         if c.finish_reason:
@@ -362,7 +368,7 @@ class OpenAIIngress:
         if calls:
             delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(calls)]
         finish = "tool_calls" if calls else c.finish_reason
-        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish, **ids}
 
     async def _sse_stream(self, rid, kind, req, merged, n, created, num_prompts, make_parser) -> AsyncIterator[bytes]:
         obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
@@ -370,18 +376,22 @@ class OpenAIIngress:
         completion_tokens: dict[int, int] = {}
         started: set[int] = set()
         parsers: dict[int, ChatOutputParser] = {}
+        prompt_ids: dict[int, list[int]] = {}
         try:
             async for p_idx, item in merged:
                 if isinstance(item, ErrorMessage):
                     yield _sse(item.to_error().body())
                     break
                 prompt_tokens[p_idx] = item.prompt_tokens
+                if item.prompt_token_ids is not None:
+                    prompt_ids[p_idx] = item.prompt_token_ids
                 choices = []
                 for c in item.choices:
                     index = p_idx * n + c.index
                     completion_tokens[index] = c.num_output_tokens
                     parser = parsers.setdefault(index, make_parser()) if kind == "chat" else None
-                    choices.append(self._choice_chunk(kind, index, c, index not in started, parser))
+                    ids = prompt_ids.get(p_idx, []) if req.return_token_ids else None
+                    choices.append(self._choice_chunk(kind, index, c, index not in started, parser, ids))
                     started.add(index)
                 if choices:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
@@ -400,6 +410,8 @@ class OpenAIIngress:
 
     async def _collect(self, rid, kind, req, merged, n, created, num_prompts, make_parser) -> JSONResponse:
         texts: dict[int, list[str]] = {}
+        token_ids: dict[int, list[int]] = {}
+        prompt_ids: dict[int, list[int]] = {}
         finish: dict[int, str | None] = {}
         lps: dict[int, list] = {}
         prompt_tokens: dict[int, int] = {}
@@ -409,9 +421,12 @@ class OpenAIIngress:
                 if isinstance(item, ErrorMessage):
                     raise item.to_error()
                 prompt_tokens[p_idx] = item.prompt_tokens
+                if item.prompt_token_ids is not None:
+                    prompt_ids[p_idx] = item.prompt_token_ids
                 for c in item.choices:
                     index = p_idx * n + c.index
                     texts.setdefault(index, []).append(c.text)
+                    token_ids.setdefault(index, []).extend(c.token_ids)
                     finish[index] = c.finish_reason or finish.get(index)
                     completion_tokens[index] = c.num_output_tokens
                     if c.logprobs is not None:
@@ -428,8 +443,10 @@ class OpenAIIngress:
         for index in range(num_prompts * n):
             text = "".join(texts.get(index, []))
             lp = _format_logprobs(kind, lps.get(index, [])) if want_lp else None
+            ids = {"prompt_token_ids": prompt_ids.get(index // n, []),
+                   "token_ids": token_ids.get(index, [])} if req.return_token_ids else {}
             if kind == "completion":
-                choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": finish.get(index)})
+                choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": finish.get(index), **ids})
             else:
                 parser = make_parser()
                 reasoning, content = parser.feed(text)
@@ -441,7 +458,7 @@ class OpenAIIngress:
                 if calls:
                     message["tool_calls"] = calls
                 choices.append({"index": index, "message": message, "logprobs": lp,
-                                "finish_reason": "tool_calls" if calls else finish.get(index)})
+                                "finish_reason": "tool_calls" if calls else finish.get(index), **ids})
         return JSONResponse({"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
                              "created": created, "model": self.model_name, "choices": choices,
                              "usage": _usage(prompt_tokens, completion_tokens)})

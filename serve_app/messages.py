@@ -48,6 +48,7 @@ class OutputDelta:
     choices: list[ChoiceDelta]
     finished: bool  # the whole request (every sample) has ended
     prompt_tokens: int
+    prompt_token_ids: list[int] | None = None  # on the request's first message only
 
 
 @dataclass(slots=True)

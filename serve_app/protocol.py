@@ -152,6 +152,7 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputsField | None = None
+    return_token_ids: bool = False  # each choice also carries prompt_token_ids and token_ids (token-in/out)
 
     def sampling_kwargs(self) -> dict[str, Any]:
         """SamplingParams fields; those the client did not set are left out (the replica fills in defaults)."""

@@ -123,7 +123,7 @@ class EngineServer:
         # Latencies count from the request's arrival at the ingress (held there and in Serve's queues too), by
         # the wall clock the two share; inside the replica, between tokens, by the monotonic clock.
         held = max(0.0, time.time() - req.arrival_time) if req.arrival_time else 0.0
-        last, first_seen = start, False
+        last, first_seen, sent_prompt = start, False, False
         reasons: dict[int, str] = {}
         sample_last: dict[int, float] = {}  # per sample: when its latest tokens arrived
         self._num_unstarted += 1
@@ -146,7 +146,8 @@ class EngineServer:
                     sample_last[c.index] = now
                 last = now
                 yield OutputDelta([_choice(c, params.logprobs) for c in out.outputs], out.finished,
-                                  len(out.prompt_token_ids))
+                                  len(out.prompt_token_ids), None if sent_prompt else list(out.prompt_token_ids))
+                sent_prompt = True
                 for c in out.outputs:  # DELTA: a sample's finish_reason comes exactly once
                     if c.finish_reason:
                         reasons[c.index] = c.finish_reason
