@@ -10,6 +10,13 @@ servers ask for) outputs that pile up while a caller is busy are merged into one
 sends fewer, larger chunks instead of falling further behind. Leaving the loop early, or cancelling the
 task, aborts the request and frees its blocks.
 
+Control for RL rollouts, also through the command queue and carried out between steps: update_weights
+(with pause "abort": live requests end with finish_reason abort; "wait": new requests are held until the
+live ones finish; "keep": live requests are preempted, their KV freed, and go on with the new weights,
+recomputing what they had), pause / resume (while paused, new requests are refused with EnginePaused; with
+"keep" the live ones are frozen, with "wait" they finish), and sleep / wake_up (free the KV pool, level 2 the
+weights too; live requests are aborted, new ones refused).
+
 If the loop itself fails (anything escaping a step or a command, not a failed forward, which fails only
 its batch), every live request ends with an error, the engine is marked unhealthy (`check_health` raises,
 so Ray Serve replaces the replica) and later requests are refused at once.
@@ -17,11 +24,12 @@ so Ray Serve replaces the replica) and later requests are refused at once.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from engine.config import EngineConfig
@@ -30,6 +38,12 @@ from engine.outputs import RequestOutput, merge_delta
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("abort", "wait", "keep")
+
+
+class EnginePaused(RuntimeError):
+    """The engine is paused or asleep and takes no new requests now; servers answer 503 with Retry-After."""
 
 
 class AsyncLLM:
@@ -46,6 +60,13 @@ class AsyncLLM:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
+        # RL control state, written by the engine thread only (read anywhere: plain attributes)
+        self.model_version: Any = engine.model_version
+        self.paused: str | None = None  # the pause() mode in force, or None
+        self.sleep_level = 0
+        self._held: list[tuple] = []  # "add" commands that came while paused, asleep or an update waited
+        self._drain_waiters: list[concurrent.futures.Future] = []  # pause("wait") calls, answered when drained
+        self._waiting_update: tuple | None = None  # an update_weights(pause="wait") waiting for live requests
         self._thread = threading.Thread(target=self._loop, name="kvscale-engine", daemon=True)
         self._thread.start()
 
@@ -75,6 +96,10 @@ class AsyncLLM:
         long before the next, merging what the engine produced meanwhile into it (fewer, larger messages for
         a serving path that pays per message; the first output is never held)."""
         self.check_health()
+        if self.paused or self.sleep_level:
+            raise EnginePaused("the engine is " + (f"asleep (level {self.sleep_level})" if self.sleep_level else
+                                                   f"paused ({self.paused})") + " and takes no new requests; retry "
+                               "after it is resumed or woken up")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use by a running request; use a unique id")
         loop = asyncio.get_running_loop()
@@ -108,6 +133,40 @@ class AsyncLLM:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    # ---- RL control: each returns a concurrent Future (await it with asyncio.wrap_future) ----
+    def update_weights(self, weights: Mapping[str, Any] | list | str, version: Any, pause: str = "abort",
+                       partial: bool = False) -> concurrent.futures.Future:
+        """New weights between steps; see LLMEngine.update_weights. The payload is checked in full before any
+        request is paused: a bad one fails the future with ValueError and changes nothing."""
+        _check_mode(pause)
+        if not isinstance(weights, (str, Mapping)):
+            weights = list(weights)  # checked, then loaded: two passes
+        return self._control("update", weights, version, pause, partial)
+
+    def pause(self, mode: str = "abort") -> concurrent.futures.Future:
+        """Stop taking requests: abort the live ones, let them finish first (the future resolves once they
+        have), or keep them frozen with their KV until resume()."""
+        _check_mode(mode)
+        return self._control("pause", mode)
+
+    def resume(self) -> concurrent.futures.Future:
+        return self._control("resume")
+
+    def sleep(self, level: int = 1) -> concurrent.futures.Future:
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (free the KV pool) or 2 (the KV pool and the weights); got {level}")
+        return self._control("sleep", level)
+
+    def wake_up(self, weights: Mapping[str, Any] | str | None = None, version: Any = None) -> concurrent.futures.Future:
+        """After level 2 the weights come from `weights` (with its version), or the checkpoint on disk."""
+        return self._control("wake_up", weights, version)
+
+    def _control(self, *command: Any) -> concurrent.futures.Future:
+        self.check_health()
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("control", future, command))
+        return future
+
     def shutdown(self) -> None:
         self._stopped.set()
         self._commands.put(("stop",))
@@ -126,7 +185,15 @@ class AsyncLLM:
 
     def _handle(self, command: tuple) -> None:
         kind = command[0]
-        if kind == "add":
+        if kind == "add" and (self.paused or self.sleep_level or self._waiting_update is not None):
+            self._held.append(command)  # came in just before the pause, or while an update waits
+        elif kind == "control":
+            _, future, (name, *args) = command
+            try:
+                getattr(self, f"_do_{name}")(future, *args)
+            except Exception as e:  # the engine refused it (a bad payload, a bad mode): nothing was changed
+                future.set_exception(e)
+        elif kind == "add":
             _, request_id, prompt, params = command
             try:
                 self._engine.add_request(request_id, prompt, params)
@@ -137,6 +204,74 @@ class AsyncLLM:
         elif kind == "abort":
             self._engine.abort_request(command[1])
 
+    # ---- engine thread: RL control ----
+    def _abort_live(self) -> None:
+        for out in self._engine.abort_all():
+            self._deliver(out.request_id, out)
+
+    def _apply_update(self, future, weights, version, partial) -> None:
+        try:
+            future.set_result(self._engine.update_weights(weights, version, partial))
+        except Exception as e:  # checked before, so this is the engine failing mid-copy: say so loudly
+            logger.exception("kvscale: loading the checked weights failed")
+            future.set_exception(e)
+        self.model_version = self._engine.model_version
+
+    def _do_update(self, future, weights, version, pause, partial) -> None:
+        self._engine.check_weights(weights, partial)  # raises before anything changes
+        if pause == "abort":
+            self._abort_live()
+        elif pause == "keep":
+            self._engine.preempt_all()
+        elif self._engine.has_unfinished_requests():
+            self._waiting_update = (future, weights, version, partial)  # applied once they finish
+            return
+        self._apply_update(future, weights, version, partial)
+
+    def _do_pause(self, future, mode) -> None:
+        self.paused = mode
+        if mode == "abort":
+            self._abort_live()
+        if mode == "wait" and self._engine.has_unfinished_requests():
+            self._drain_waiters.append(future)
+            return
+        future.set_result(None)
+
+    def _do_resume(self, future) -> None:
+        self.paused = None
+        self._release_held()
+        future.set_result(None)
+
+    def _do_sleep(self, future, level) -> None:
+        self._abort_live()
+        self._engine.sleep(level)
+        self.sleep_level = level
+        future.set_result(None)
+
+    def _do_wake_up(self, future, weights, version) -> None:
+        self._engine.wake_up(weights, version)
+        self.sleep_level = 0
+        self.model_version = self._engine.model_version
+        self._release_held()
+        future.set_result(None)
+
+    def _release_held(self) -> None:
+        if self.paused or self.sleep_level or self._waiting_update is not None:
+            return
+        held, self._held = self._held, []
+        for command in held:
+            self._handle(command)
+
+    def _after_drain(self) -> None:
+        """Live requests all finished: answer pause("wait") calls, apply a waiting update."""
+        for future in self._drain_waiters:
+            future.set_result(None)
+        self._drain_waiters = []
+        if self._waiting_update is not None:
+            update, self._waiting_update = self._waiting_update, None
+            self._apply_update(*update)
+            self._release_held()
+
     def _run_once(self) -> None:
         """Every queued command, then one step, then one published snapshot; idle, wait for a command."""
         engine = self._engine
@@ -145,11 +280,14 @@ class AsyncLLM:
                 self._handle(self._commands.get_nowait())
             except queue.Empty:
                 break
-        if engine.has_unfinished_requests():
+        frozen = self.paused in ("abort", "keep") or self.sleep_level  # no steps (keep: live requests wait)
+        if engine.has_unfinished_requests() and not frozen:
             for out in engine.step():
                 self._deliver(out.request_id, out)
+        if not engine.has_unfinished_requests() and (self._drain_waiters or self._waiting_update is not None):
+            self._after_drain()
         self._stats = engine.stats()
-        if not engine.has_unfinished_requests():
+        if not engine.has_unfinished_requests() or frozen:
             try:
                 self._handle(self._commands.get(timeout=0.5))
             except queue.Empty:
@@ -170,6 +308,8 @@ class AsyncLLM:
                     continue
                 if command[0] == "add":
                     self._deliver(command[1], RuntimeError(f"the engine failed: {self._dead}"))
+                elif command[0] == "control":
+                    command[1].set_exception(RuntimeError(f"the engine failed: {self._dead}"))
             return
         self._fail_all("the engine shut down")
 
@@ -183,3 +323,12 @@ class AsyncLLM:
             self._stats = dataclasses.replace(self._stats, is_healthy=self._dead is None)
         for request_id in list(self._streams):
             self._deliver(request_id, RuntimeError(error))
+        waiting = [u[0] for u in [self._waiting_update] if u is not None] + self._drain_waiters
+        self._waiting_update, self._drain_waiters = None, []
+        for future in waiting:
+            future.set_exception(RuntimeError(error))
+
+
+def _check_mode(mode: str) -> None:
+    if mode not in PAUSE_MODES:
+        raise ValueError(f"pause must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")

@@ -10,8 +10,9 @@ import bisect
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
@@ -124,7 +125,10 @@ class LLMEngine:
         if self.max_model_len > max_positions:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings "
                              f"({max_positions})")
-        self.runner.calibrate_kv_scales(self.tokenizer.encode(KV_CALIBRATION_TEXT)[: self.max_model_len])
+        self._calibration_ids = self.tokenizer.encode(KV_CALIBRATION_TEXT)[: self.max_model_len]
+        self.runner.calibrate_kv_scales(self._calibration_ids)
+        self.model_version: Any = 0  # the checkpoint's weights; update_weights sets what a trainer pushed
+        self.sleep_level = 0  # 1: KV pool freed, 2: weights too (sleep / wake_up)
         self.runner.capture_decode_graphs(self.max_model_len)
         if any(w is not None for w in groups.windows):
             logger.info("%s: KV blocks behind a window go back to the pool as sequences advance", groups.describe())
@@ -302,6 +306,66 @@ class LLMEngine:
             outputs.append(out)
         return outputs
 
+    # ---- policy weights and memory (RL rollouts; AsyncLLM pauses what runs first) ----
+    def update_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]] | str, version: Any,
+                       partial: bool = False) -> int:
+        """Load new weights in place: HF-named tensors (a dict, (name, tensor) pairs, or a safetensors file or
+        folder). All or nothing: an unknown name, a wrong shape, a non-float dtype or (unless partial) a missing
+        parameter raises ValueError naming it, with the old weights untouched. Then every cached prefix is
+        forgotten (its KV came from the old weights), fp8 KV scales are calibrated again, and outputs from here
+        on carry `version`. Only while no sequence holds KV blocks: abort, drain or preempt_all() first.
+        Returns how many tensors it loaded."""
+        self._require_no_kv("update weights")
+        count = self.runner.load_weights(_weight_items(weights), partial)
+        self.block_manager.reset_prefix_cache()
+        self.runner.calibrate_kv_scales(self._calibration_ids)
+        self.model_version = self.output_processor.model_version = version
+        logger.info("weights updated in place: %d tensors, now serving version %r", count, version)
+        return count
+
+    def check_weights(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]] | str, partial: bool = False) -> int:
+        """What update_weights checks, without loading anything (ValueError naming what is wrong)."""
+        return self.runner.load_weights(_weight_items(weights), partial, check_only=True)
+
+    def abort_all(self) -> list[RequestOutput]:
+        """End every request now, with finish_reason abort, blocks freed."""
+        return [out for rid in self.request_ids if (out := self.abort_request(rid)) is not None]
+
+    def preempt_all(self) -> int:
+        """Free every running sequence's KV; each recomputes its prompt and output so far when it runs again."""
+        return self.scheduler.preempt_all()
+
+    def sleep(self, level: int) -> None:
+        """Free the KV pool (level 1) and the weights too (level 2), keeping the engine's state to wake up.
+        Only while no request is live."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (free the KV pool) or 2 (the KV pool and the weights); got {level}")
+        if self.has_unfinished_requests():
+            raise RuntimeError("cannot sleep with requests live; abort or finish them first")
+        self.block_manager.reset_prefix_cache()  # its blocks' contents go with the pool
+        self.runner.release_memory(level)
+        self.sleep_level = level
+        logger.info("asleep at level %d: KV pool%s freed", level, " and weights" if level == 2 else "")
+
+    def wake_up(self, weights: Mapping[str, Any] | Iterable[tuple[str, Any]] | str | None = None,
+                version: Any = None) -> None:
+        """A fresh KV pool; after level 2, the weights loaded again from `weights` (with its `version`), or from
+        the checkpoint on disk (version 0) when None."""
+        if not self.sleep_level:
+            return
+        if self.runner.restore_memory():
+            if weights is None:
+                weights, version = self.model_path, 0
+            self.sleep_level = 0
+            self.update_weights(weights, version)
+        self.sleep_level = 0
+        logger.info("awake, serving version %r", self.model_version)
+
+    def _require_no_kv(self, what: str) -> None:
+        if self.block_manager.num_used_blocks:
+            raise RuntimeError(f"cannot {what} while sequences hold {self.block_manager.num_used_blocks} KV blocks; "
+                               "abort, finish or preempt them first")
+
     # ---- introspection ----
     def kv_cache_config(self) -> dict[str, str]:
         """The KV cache's fixed facts, in vLLM's cache_config_info names (num_gpu_blocks: blocks of the pool,
@@ -323,6 +387,14 @@ class LLMEngine:
 
 
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _weight_items(weights: Mapping[str, Any] | Iterable[tuple[str, Any]] | str) -> Iterable[tuple[str, Any]]:
+    if isinstance(weights, str):
+        from engine.loader import iter_weights
+
+        return iter_weights(weights, show_progress=False)
+    return weights.items() if isinstance(weights, Mapping) else weights
 
 
 def load_generation_defaults(model_path: str) -> dict[str, float]:

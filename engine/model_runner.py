@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -94,6 +95,38 @@ class ModelRunner:
                     self.bytes_per_block // self.block_size, self.kv_groups.num_groups, self.num_kv_blocks,
                     self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
         logger.info("%s", self.kv_groups.describe())
+
+    # ---- weights and memory, for RL rollouts (LLMEngine.update_weights / sleep / wake_up) ----
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False,
+                     check_only: bool = False) -> int:
+        """HF-named tensors into the model in place, all or nothing (DecoderForCausalLM.load_weights checks them
+        all before copying any). In place, so CUDA graphs stay valid."""
+        return self.model.load_weights(weights, partial, check_only)
+
+    def release_memory(self, level: int) -> None:
+        """Sleep: level 1 frees the KV pool, level 2 the weights too. Only while no sequence holds blocks."""
+        self.kv_cache, self.kv_caches = None, []
+        self.attention_scratch.clear()
+        if level >= 2:
+            self._weight_shapes = {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
+            for p in self.model.parameters():
+                p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def restore_memory(self) -> bool:
+        """Wake up: a fresh (zeroed) KV pool, and room for the weights if they were freed. Returns whether the
+        weights were freed, i.e. must be loaded again before the next step."""
+        self.kv_cache = self._new_kv_pool(self.num_kv_blocks)
+        self.kv_caches = self._layer_views(self.kv_cache)
+        shapes = getattr(self, "_weight_shapes", None)
+        if shapes is None:
+            return False
+        params = dict(self.model.named_parameters())
+        for name, (shape, dtype) in shapes.items():
+            params[name].data = torch.empty(shape, dtype=dtype, device=self.device)
+        self._weight_shapes = None
+        return True
 
     @property
     def bytes_per_block(self) -> int:

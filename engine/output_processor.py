@@ -31,6 +31,7 @@ class RequestState:
     sent_chars: list[int] = field(init=False)  # per sample: text already handed out (DELTA)
     sent_tokens: list[int] = field(init=False)  # per sample: output tokens (and logprobs) already handed out
     sent_finish: list[bool] = field(init=False)  # per sample: its finish_reason already handed out
+    model_versions: list[Any] = field(default_factory=list)  # policy versions whose weights made its tokens
 
     def __post_init__(self) -> None:
         n = len(self.seqs)
@@ -46,6 +47,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.scheduler = scheduler
         self.requests: dict[str, RequestState] = {}
+        self.model_version: Any = 0  # the weights' version now (LLMEngine.update_weights moves it)
 
     def add(self, state: RequestState) -> None:
         for seq in state.seqs:
@@ -65,6 +67,8 @@ class OutputProcessor:
             state = self.requests[seq.request_id]
             state.first_token_time = state.first_token_time or now
             state.last_token_time = now
+            if not state.model_versions or state.model_versions[-1] != self.model_version:
+                state.model_versions.append(self.model_version)
             touched[seq.request_id] = state
         outputs = []
         for request_id, state in touched.items():
@@ -141,6 +145,7 @@ class OutputProcessor:
             return None
         return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions,
                              finished=state.finished, num_cached_tokens=state.seqs[0].num_cached_tokens,
+                             model_versions=list(state.model_versions),
                              metrics=_metrics(state) if state.finished else None)
 
 

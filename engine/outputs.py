@@ -6,7 +6,8 @@ only what is new since the request's previous output (DELTA, what streaming serv
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from engine.sequence import Logprob
 
@@ -65,6 +66,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine failed this request
     metrics: RequestMetrics | None = None  # on the final output of a request that got at least one token
+    # policy versions whose weights produced its tokens so far, in order (more than one only when a weight
+    # update with pause="keep" came while it ran); empty before its first token
+    model_versions: list[Any] = field(default_factory=list)
 
 
 def merge_delta(older: RequestOutput, newer: RequestOutput) -> RequestOutput:

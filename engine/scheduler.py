@@ -210,6 +210,15 @@ class Scheduler:
         cached = bm.find_cached_prefix(seq)
         return cached if cached.num_blocks > shared.num_blocks else shared
 
+    def preempt_all(self) -> int:
+        """Every running sequence back to the front of the waiting queue, in order, its blocks freed: it
+        recomputes its KV when it runs again (after a weight update, KV computed with the old weights must
+        not be read). Returns how many it preempted."""
+        count = len(self.running)
+        while self.running:
+            self._preempt(self.running[-1])
+        return count
+
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.block_manager.free(seq)

@@ -115,12 +115,9 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     def forward(self, input_ids, positions, kv_caches, meta) -> torch.Tensor:
         return self.model(input_ids, positions, self.ropes, kv_caches, meta)
 
-    def load_weights(self, weights) -> None:
-        super().load_weights(weights)
-        with torch.no_grad():  # Gemma's norms scale by (1 + w); the shared norm op by w
-            for module in self.modules():
-                if isinstance(module, RMSNorm):
-                    module.weight.add_(1.0)
+    def adjust_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Gemma's norms scale by (1 + w); the shared norm op by w, so it holds 1 + w."""
+        return tensor.float() + 1.0 if name.endswith("norm.weight") else tensor
 
 
 class _RopeView:

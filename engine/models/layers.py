@@ -193,40 +193,65 @@ class DecoderForCausalLM(nn.Module):
             return [s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
         return [s.intermediate_size, s.intermediate_size]
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our (partly merged) parameters; fail loudly on anything missing."""
+    def adjust_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor as our parameter holds it (a family whose layout differs overrides this)."""
+        return tensor
+
+    def _destination(self, name: str, params: dict[str, torch.nn.Parameter]) -> tuple[str, torch.Tensor] | None:
+        """(our parameter's name, the view of it an HF-named tensor fills), or None for a tensor we do not keep
+        (rotary caches, a tied head). Raises ValueError for a name with no place in this model."""
+        if "rotary_emb.inv_freq" in name:
+            return None
+        if name == "lm_head.weight" and self.lm_head is None:
+            return None  # tied: the embedding serves as the head
+        parts = name.split(".")
+        target, shard = name, None
+        for i, part in enumerate(parts):
+            if part in _MERGED:
+                merged, shard = _MERGED[part]
+                target = ".".join(parts[:i] + [merged] + parts[i + 1 :])
+                break
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+        if shard is None:
+            return target, params[target].data
+        sizes = self._shard_sizes(target.split(".")[-2])
+        return target, params[target].data.narrow(0, sum(sizes[:shard]), sizes[shard])
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False,
+                     check_only: bool = False) -> int:
+        """Copy HF-named tensors into our (partly merged) parameters. All or nothing: every tensor is checked
+        (a name with a place here, its shape, a floating-point dtype) and, unless partial, every parameter must
+        be covered, before anything is copied; a ValueError names the first tensor or parameter at fault.
+        check_only: only check. Returns how many tensors it copied (or would copy)."""
         params = dict(self.named_parameters())
+        plan: list[tuple[torch.Tensor, str, torch.Tensor]] = []
         filled: dict[str, int] = {}
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            dest = self._destination(name, params)
+            if dest is None:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
-                continue  # tied: the embedding serves as the head
-            parts = name.split(".")
-            target, shard = name, None
-            for i, part in enumerate(parts):
-                if part in _MERGED:
-                    merged, shard = _MERGED[part]
-                    target = ".".join(parts[:i] + [merged] + parts[i + 1 :])
-                    break
-            if target not in params:
-                raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
-            param = params[target]
-            if shard is None:
-                dest = param.data
-            else:
-                sizes = self._shard_sizes(target.split(".")[-2])
-                dest = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
-            if dest.shape != tensor.shape:
-                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
-            dest.copy_(tensor)
+            target, view = dest
+            if view.shape != tensor.shape:
+                raise ValueError(f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(view.shape)}")
+            if not tensor.is_floating_point():
+                raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}; weights must be floating point (the "
+                                 f"model runs in {view.dtype})")
+            plan.append((view, name, tensor))
             filled[target] = filled.get(target, 0) + 1
-        missing = []
-        for target in params:
-            module = target.split(".")[-2]
-            expected = len(self._shard_sizes(module)) if module in ("qkv_proj", "gate_up_proj") else 1
-            if filled.get(target, 0) != expected:
-                missing.append(target)
-        if missing:
-            raise ValueError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}"
-                             + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        if not partial:
+            missing = []
+            for target in params:
+                module = target.split(".")[-2]
+                expected = len(self._shard_sizes(module)) if module in ("qkv_proj", "gate_up_proj") else 1
+                if filled.get(target, 0) != expected:
+                    missing.append(target)
+            if missing:
+                raise ValueError(f"checkpoint is missing tensors for: {', '.join(missing[:8])}"
+                                 + (f" and {len(missing) - 8} more" if len(missing) > 8 else ""))
+        if check_only:
+            return len(plan)
+        with torch.no_grad():
+            for view, name, tensor in plan:
+                view.copy_(self.adjust_weight(name, tensor.to(view.device)))
+        return len(plan)
