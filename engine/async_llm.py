@@ -143,6 +143,10 @@ class AsyncLLM:
             weights = list(weights)  # checked, then loaded: two passes
         return self._control("update", weights, version, pause, partial)
 
+    def check_weights(self, weights: Mapping[str, Any] | list | str, partial: bool = False) -> concurrent.futures.Future:
+        """What update_weights would refuse, without loading: the future fails with ValueError naming it."""
+        return self._control("check", weights, partial)
+
     def pause(self, mode: str = "abort") -> concurrent.futures.Future:
         """Stop taking requests: abort the live ones, let them finish first (the future resolves once they
         have), or keep them frozen with their KV until resume()."""
@@ -227,6 +231,9 @@ class AsyncLLM:
             self._waiting_update = (future, weights, version, partial)  # applied once they finish
             return
         self._apply_update(future, weights, version, partial)
+
+    def _do_check(self, future, weights, partial) -> None:
+        future.set_result(self._engine.check_weights(weights, partial))
 
     def _do_pause(self, future, mode) -> None:
         self.paused = mode

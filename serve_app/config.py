@@ -46,6 +46,9 @@ class ServeConfig(BaseModel):
                                                        "Retry-After.")
     max_prompts_per_request: int = Field(64, description="Most prompts in one /v1/completions list.")
     max_n: int = Field(16, description="Largest `n` a request may ask for.")
+    admin_api: bool = Field(False, description="Serve the RL admin routes (/admin/update_weights, pause, resume, "
+                                               "sleep, wake_up, version: serve_app/rl.py) for trainers outside "
+                                               "Ray; they need the API key like every route when one is set.")
 
     # ---- deployments ----
     num_replicas: int | None = Field(1, description="Fixed engine replicas; None: autoscale between the limits.")

@@ -27,7 +27,9 @@ from serve_app.chat_output import ChatOutputParser, tool_constraint
 from serve_app.config import ServeConfig
 from serve_app.messages import ChoiceDelta, ErrorMessage, GenerateRequest, OutputDelta, TokenLogprob
 from serve_app.metrics import ALIVE_WITHIN_S, STALE_AFTER_S, get_board, render, replica_identity
-from serve_app.protocol import (APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
+from serve_app import rl
+from serve_app.protocol import (AdminPauseRequest, AdminSleepRequest, AdminUpdateWeightsRequest, APIError,
+                                ChatCompletionRequest, CompletionRequest, DetokenizeRequest, ErrorResponse,
                                 NamedToolChoice, TokenizeRequest)
 
 logger = logging.getLogger("ray.serve")
@@ -255,6 +257,56 @@ class OpenAIIngress:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    # ---- RL admin (serve_app/rl.py), for trainers outside Ray; absent unless admin_api ----
+    async def _admin_request(self, request: Request, model=None):
+        """The checks every admin route makes: enabled, authorized, and its body valid (model: its schema)."""
+        if not self.config.admin_api:
+            raise APIError(404, f"{request.url.path} is not served: set admin_api: true in the serve config to "
+                                "enable the RL admin routes", code="not_found")
+        self._authorize(request)
+        return self._validate(model, await self._read_json(request)) if model is not None else None
+
+    async def _admin_call(self, call, param: str | None = None, **kwargs: Any) -> dict[str, Any]:
+        """Run an rl function (it blocks until every replica followed) off the event loop."""
+        try:
+            result = await asyncio.to_thread(call, app_name=replica_identity()[1], **kwargs)
+        except ValueError as e:  # a payload the replicas refused: nothing changed
+            raise APIError(400, str(e), param=param) from None
+        except (TimeoutError, RuntimeError) as e:
+            raise APIError(503, str(e), code="admin_unavailable", retry_after=5) from None
+        return {"ok": True, **(result if isinstance(result, dict) else {})}
+
+    @fastapi_app.post("/admin/update_weights", openapi_extra=_json_body(AdminUpdateWeightsRequest), responses=_ERRORS)
+    async def admin_update_weights(self, request: Request) -> dict[str, Any]:
+        req = await self._admin_request(request, AdminUpdateWeightsRequest)
+        return await self._admin_call(rl.update_weights, "path", weights=req.path, version=req.version,
+                                      pause=req.pause, partial=req.partial)
+
+    @fastapi_app.post("/admin/pause", openapi_extra=_json_body(AdminPauseRequest), responses=_ERRORS)
+    async def admin_pause(self, request: Request) -> dict[str, Any]:
+        req = await self._admin_request(request, AdminPauseRequest)
+        return await self._admin_call(rl.pause, mode=req.mode)
+
+    @fastapi_app.post("/admin/resume", responses=_ERRORS)
+    async def admin_resume(self, request: Request) -> dict[str, Any]:
+        await self._admin_request(request)
+        return await self._admin_call(rl.resume)
+
+    @fastapi_app.post("/admin/sleep", openapi_extra=_json_body(AdminSleepRequest), responses=_ERRORS)
+    async def admin_sleep(self, request: Request) -> dict[str, Any]:
+        req = await self._admin_request(request, AdminSleepRequest)
+        return await self._admin_call(rl.sleep, level=req.level)
+
+    @fastapi_app.post("/admin/wake_up", responses=_ERRORS)
+    async def admin_wake_up(self, request: Request) -> dict[str, Any]:
+        await self._admin_request(request)
+        return await self._admin_call(rl.wake_up)
+
+    @fastapi_app.get("/admin/version", responses=_ERRORS)
+    async def admin_version(self, request: Request) -> dict[str, Any]:
+        await self._admin_request(request)
+        return await self._admin_call(rl.version)
+
     @fastapi_app.post("/v1/completions", openapi_extra=_json_body(CompletionRequest), responses=_ERRORS)
     async def completions(self, request: Request):
         self._authorize(request)
@@ -377,6 +429,7 @@ class OpenAIIngress:
         started: set[int] = set()
         parsers: dict[int, ChatOutputParser] = {}
         prompt_ids: dict[int, list[int]] = {}
+        versions: dict[int, list] = {}
         try:
             async for p_idx, item in merged:
                 if isinstance(item, ErrorMessage):
@@ -393,9 +446,11 @@ class OpenAIIngress:
                     ids = prompt_ids.get(p_idx, []) if req.return_token_ids else None
                     choices.append(self._choice_chunk(kind, index, c, index not in started, parser, ids))
                     started.add(index)
+                if item.model_versions:
+                    versions[p_idx] = item.model_versions
                 if choices:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
-                                "choices": choices})
+                                "choices": choices, "model_version": _version(versions)})
             else:
                 if req.include_usage:
                     yield _sse({"id": rid, "object": obj, "created": created, "model": self.model_name,
@@ -413,6 +468,7 @@ class OpenAIIngress:
         token_ids: dict[int, list[int]] = {}
         prompt_ids: dict[int, list[int]] = {}
         finish: dict[int, str | None] = {}
+        versions: dict[int, list] = {}
         lps: dict[int, list] = {}
         prompt_tokens: dict[int, int] = {}
         completion_tokens: dict[int, int] = {}
@@ -423,6 +479,8 @@ class OpenAIIngress:
                 prompt_tokens[p_idx] = item.prompt_tokens
                 if item.prompt_token_ids is not None:
                     prompt_ids[p_idx] = item.prompt_token_ids
+                if item.model_versions:
+                    versions[p_idx] = item.model_versions
                 for c in item.choices:
                     index = p_idx * n + c.index
                     texts.setdefault(index, []).append(c.text)
@@ -461,7 +519,7 @@ class OpenAIIngress:
                                 "finish_reason": "tool_calls" if calls else finish.get(index), **ids})
         return JSONResponse({"id": rid, "object": "text_completion" if kind == "completion" else "chat.completion",
                              "created": created, "model": self.model_name, "choices": choices,
-                             "usage": _usage(prompt_tokens, completion_tokens)})
+                             "usage": _usage(prompt_tokens, completion_tokens), "model_version": _version(versions)})
 
 
 def _prompt_list(prompt, limit: int) -> list[Any]:
@@ -487,6 +545,17 @@ def _flatten_message(m: dict[str, Any]) -> dict[str, Any]:
     elif content is None:
         m["content"] = ""
     return m
+
+
+def _version(versions: dict[int, list]) -> Any:
+    """The policy version whose weights made the response's tokens; a list, in order, when it spans several
+    (a weight update with pause="keep" came while it ran, or its prompts ran on different versions)."""
+    spanned: list = []
+    for p_idx in sorted(versions):
+        spanned += [v for v in versions[p_idx] if v not in spanned]
+    if not spanned:
+        return None
+    return spanned[0] if len(spanned) == 1 else spanned
 
 
 def _usage(prompt_tokens: dict[int, int], completion_tokens: dict[int, int]) -> dict[str, int]:

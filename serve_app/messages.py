@@ -49,6 +49,7 @@ class OutputDelta:
     finished: bool  # the whole request (every sample) has ended
     prompt_tokens: int
     prompt_token_ids: list[int] | None = None  # on the request's first message only
+    model_versions: list[Any] | None = None  # policy versions whose weights made its tokens so far
 
 
 @dataclass(slots=True)

@@ -84,7 +84,7 @@ DECISIONS = ("autoscaler_decisions", "Scaling decisions of the policy, by direct
 
 def metric_names() -> set[str]:
     """Every series name /metrics can carry (histograms as their _bucket/_sum/_count series)."""
-    names = {f"kvscale:{n}" for n in (*GAUGES, *FLEET_GAUGES, "cache_config_info")}
+    names = {f"kvscale:{n}" for n in (*GAUGES, *FLEET_GAUGES, "cache_config_info", "model_version_info")}
     names |= {f"kvscale:{n}_total" for n in (*COUNTERS, DECISIONS[0])}
     names |= {f"kvscale:{n}_{part}" for n in HISTOGRAMS for part in ("bucket", "sum", "count")}
     return names
@@ -237,6 +237,15 @@ def render(snapshots: dict[str, dict], autoscaler: dict | None, model_name: str)
                                     labels=[*per_replica, *CACHE_CONFIG_LABELS])
             for replica, snap in snapshots.items():
                 fam.add_metric([model_name, replica, *(str(snap["cache_config"][k]) for k in CACHE_CONFIG_LABELS)], 1)
+            yield fam
+            fam = GaugeMetricFamily("kvscale:model_version_info", "The policy version a replica serves (label "
+                                    "`version`; 0: the checkpoint on disk) and whether it is paused or asleep "
+                                    "(serve_app/rl.py), in labels (value 1).",
+                                    labels=[*per_replica, "version", "paused", "sleep_level"])
+            for replica, snap in snapshots.items():
+                policy = snap.get("policy") or {"model_version": 0, "paused": None, "sleep_level": 0}
+                fam.add_metric([model_name, replica, str(policy["model_version"]), str(policy["paused"] or ""),
+                                str(policy["sleep_level"])], 1)
             yield fam
             for name, doc in COUNTERS.items():
                 if name == "request_success":

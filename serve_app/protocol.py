@@ -265,3 +265,25 @@ class DetokenizeRequest(BaseModel):
 
     model: str
     tokens: list[TokenId]
+
+
+# ---- RL admin routes (serve_app/rl.py; only with admin_api: true) ----
+class AdminUpdateWeightsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    path: str = Field(min_length=1)  # safetensors file or folder every replica can read
+    version: int | str
+    pause: Literal["abort", "wait", "keep"] = "abort"
+    partial: bool = False
+
+
+class AdminPauseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    mode: Literal["abort", "wait", "keep"] = "abort"
+
+
+class AdminSleepRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    level: Literal[1, 2] = 1

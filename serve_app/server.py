@@ -3,10 +3,12 @@
 It speaks serve_app.messages over the handle: `generate(GenerateRequest)` streams OutputDelta messages
 (only what is new) as the engine produces tokens, or one ErrorMessage for a request the engine refuses or
 fails. It reads the engine only through AsyncLLM's public surface: `generate`, the published `stats()`
-snapshot (for /metrics, Ray Serve's autoscaler and the router) and `check_health`.
+snapshot (for /metrics, Ray Serve's autoscaler and the router), `check_health`, and the RL controls that
+serve_app.rl's PolicyFollower drives (update_weights, pause, resume, sleep, wake_up).
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -17,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator
 from typing import Any
 
-from engine.async_llm import AsyncLLM
+from engine.async_llm import AsyncLLM, EnginePaused
 from engine.llm import apply_chat_template
 from engine.outputs import CompletionOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
@@ -27,6 +29,7 @@ from serve_app.config import ServeConfig
 from serve_app.messages import ChoiceDelta, ErrorMessage, GenerateRequest, OutputDelta, TokenLogprob
 from serve_app.metrics import REPORT_INTERVAL_S, ReplicaMetrics, get_board, replica_identity
 from serve_app.protocol import APIError
+from serve_app.rl import PolicyFollower
 from serve_app.router import prefix_fingerprint, routing_stats
 
 MAX_REMEMBERED_PREFIXES = 256
@@ -54,6 +57,10 @@ class EngineServer:
         self._recent_prefixes: OrderedDict[str, None] = OrderedDict()  # prompt fingerprints, LRU, for routing
         self._prefix_snapshot: tuple[str, ...] = ()  # what the routing-stats thread reads
         self._board = None
+        # RL: follow the app's pushed policy (serve_app/rl.py), before taking any request
+        self.policy = PolicyFollower(self.llm, self.app_name)
+        if self.app_name != "local":
+            self.policy.follow(block=True)
         self._stopped = threading.Event()
         self._reporter = threading.Thread(target=self._report_loop, name="kvscale-stats", daemon=True)
         self._reporter.start()
@@ -146,7 +153,8 @@ class EngineServer:
                     sample_last[c.index] = now
                 last = now
                 yield OutputDelta([_choice(c, params.logprobs) for c in out.outputs], out.finished,
-                                  len(out.prompt_token_ids), None if sent_prompt else list(out.prompt_token_ids))
+                                  len(out.prompt_token_ids), None if sent_prompt else list(out.prompt_token_ids),
+                                  out.model_versions)
                 sent_prompt = True
                 for c in out.outputs:  # DELTA: a sample's finish_reason comes exactly once
                     if c.finish_reason:
@@ -159,6 +167,8 @@ class EngineServer:
                         end=now, metrics=out.metrics)
         except ValueError as e:
             yield ErrorMessage.of(_refusal(str(e), req.kind))
+        except EnginePaused as e:
+            yield ErrorMessage.of(APIError(503, str(e), code="engine_paused", retry_after=1))
         except RuntimeError as e:
             yield ErrorMessage.of(APIError(500, str(e), code="engine_error"))
         finally:
@@ -178,9 +188,11 @@ class EngineServer:
     # ---- stats ----
     def stats(self) -> dict[str, Any]:
         s = self.llm.stats()
-        return self.metrics.snapshot(s, cache_config=self.llm.kv_cache_config,
+        snap = self.metrics.snapshot(s, cache_config=self.llm.kv_cache_config,
                                      max_model_len=self.llm.max_model_len,
                                      healthy=s.is_healthy and self.llm.is_healthy)
+        snap["policy"] = self.policy.report(s.num_running + s.num_waiting)
+        return snap
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Ray Serve's custom-metrics hook: what serve_app.autoscaling's policy reads. Plain floats only."""
@@ -197,8 +209,18 @@ class EngineServer:
     def check_health(self) -> None:
         self.llm.check_health()
 
+    # ---- RL control (serve_app/rl.py) ----
+    async def check_weights(self, source: list | str, partial: bool) -> int:
+        """rl.update_weights asks one replica whether a payload fits the model before publishing it."""
+        weights = (await source[0]) if isinstance(source, list) else source
+        return await asyncio.wrap_future(self.llm.check_weights(weights, partial))
+
     def _report_loop(self) -> None:
         while not self._stopped.wait(REPORT_INTERVAL_S):
+            try:
+                self.policy.follow()
+            except Exception:  # the store may be gone or slow; try again next time
+                logger.warning("kvscale: could not follow the policy store", exc_info=True)
             try:
                 if self._board is None:
                     self._board = get_board(self.app_name)

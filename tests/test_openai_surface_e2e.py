@@ -418,3 +418,9 @@ def test_ttft_counts_time_held_before_the_replica_and_n_counts_once(cluster, mak
     assert count == 3 * 19, count  # every token after each sample's first
     assert total / count >= 0.015, f"mean ITL {total / count:.4f} s is below the 20 ms step: divided by n samples"
     serve.delete("held")
+
+
+def test_admin_routes_are_absent_without_admin_api(server):
+    for method, path in (("get", "/admin/version"), ("post", "/admin/pause"), ("post", "/admin/update_weights")):
+        r = getattr(httpx, method)(f"{server}{path}", timeout=30)
+        assert r.status_code == 404 and "admin_api" in r.json()["error"]["message"], (path, r.text)
