@@ -113,6 +113,8 @@ class ModelRunner:
                 p.data = torch.empty(0, dtype=p.dtype, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+        else:
+            _trim_heap()
 
     def restore_memory(self) -> bool:
         """Wake up: a fresh (zeroed) KV pool, and room for the weights if they were freed. Returns whether the
@@ -296,6 +298,17 @@ class ModelRunner:
             return None
         logits = self.model.compute_logits(hidden[logits_idx])
         return self.sampler(logits, [batch.seqs[i] for i in sample_rows])
+
+
+def _trim_heap() -> None:
+    """Hand freed heap memory back to the OS. A large tensor carved out of glibc's heap (not its own mmap, as
+    happens once earlier allocations left big free chunks there) otherwise stays resident after it is freed."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: its allocator returns memory its own way
+        pass
 
 
 def warmup_batch(max_num_seqs: int, max_num_batched_tokens: int, block_size: int,

@@ -234,7 +234,8 @@ def test_openapi_fuzz_with_schemathesis_gets_no_5xx(server):
     tried = 0
     for op_result in schema.get_all_operations():
         op = op_result.ok()
-        has_input = op.method.upper() == "POST"  # the GET routes take nothing a fuzzer could get wrong
+        # the GET routes, and POST routes without a body (/admin/resume), take nothing a fuzzer could get wrong
+        has_input = op.method.upper() == "POST" and len(op.body) > 0
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_input else (GenerationMode.POSITIVE,):
             examples = 40 if has_input else 5
 

@@ -159,3 +159,32 @@ def test_admin_routes(server, policies):
     assert httpx.post(f"{url}/wake_up", headers=_headers(), timeout=300).status_code == 200
     body = _greedy(server, policies["old"])  # level 2 dropped the weights: back on the pushed version, not the disk's
     assert body["choices"][0]["token_ids"] == policies["want_new"] and body["model_version"] == "v4"
+
+
+def test_admin_routes_fuzzed_get_clear_errors_and_change_nothing(server, policies):
+    """Invalid bodies for every admin route (schemathesis, from the served OpenAPI document): each gets a 4xx
+    with an OpenAI-style error, never a 5xx, and no replica moves off its version or pauses."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis import GenerationMode
+
+    before = _replica_versions()
+    schema = schemathesis.openapi.from_dict(httpx.get(f"{server}/openapi.json", timeout=30).json())
+    statuses: dict[int, int] = {}
+    for op_result in schema.get_all_operations():
+        op = op_result.ok()
+        if not op.path.startswith("/admin/") or not op.body:  # resume, wake_up and version take no input
+            continue
+
+        @given(case=op.as_strategy(generation_mode=GenerationMode.NEGATIVE))
+        @settings(max_examples=25, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        def fuzz(case):
+            r = case.call(base_url=server, headers=_headers(), timeout=120)
+            statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+            assert 400 <= r.status_code < 500 and set(r.json()["error"]) >= {"message", "type", "param", "code"}, r.text
+
+        fuzz()
+    assert statuses.get(400, 0) >= 20, statuses
+    assert _replica_versions() == before
+    assert _greedy(server, policies["old"])["model_version"] is not None  # still serving, not paused
