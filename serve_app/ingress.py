@@ -56,13 +56,14 @@ def _openapi() -> dict[str, Any]:
         schema = get_openapi(title=fastapi_app.title, version="0.1.0", description=fastapi_app.description,
                              routes=fastapi_app.routes)
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest):
+        for model in (CompletionRequest, ChatCompletionRequest, TokenizeRequest, DetokenizeRequest,
+                      AdminUpdateWeightsRequest, AdminPauseRequest, AdminSleepRequest):
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
             components[model.__name__] = js
         schema["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, item in schema["paths"].items():
-            if path.startswith("/v1/"):
+            if path.startswith(("/v1/", "/admin/")):
                 for op in item.values():
                     op["security"] = [{"bearer": []}, {}]  # needed only when the server sets api_key
         fastapi_app.openapi_schema = schema
