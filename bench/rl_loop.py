@@ -10,7 +10,7 @@ the policy version the rollouts came from, rollout tokens/s, the weight sync (se
 the new version, and bytes moved per second: bytes pushed x replicas / time), and the mean |logprob| gap
 between the engine's rollout logprobs (bf16) and the trainer's (fp32) on the same tokens.
 
-    python bench/rl_loop.py [--steps 6] [--prompts 4] [--group 8] [--max-tokens 24] [--lr 2e-5]
+    python bench/rl_loop.py [--steps 8] [--prompts 4] [--group 8] [--max-tokens 24] [--lr 2e-5]
 """
 from __future__ import annotations
 
@@ -81,7 +81,9 @@ def trainer_class():
                 mismatch += (lp.detach() - torch.tensor(lps["token_logprobs"])).abs().tolist()
             self.opt.step()
 
-            weights = {k: v.detach().to(torch.bfloat16) for k, v in self.model.state_dict().items()}
+            tied = self.model.config.tie_word_embeddings  # the head is the embedding: push it once
+            weights = {k: v.detach().to(torch.bfloat16) for k, v in self.model.state_dict().items()
+                       if not (tied and k == "lm_head.weight")}
             sync = rl.update_weights(weights, version=version + 1, app_name=APP)
             generated = sum(len(c) for _, c, _ in samples)
             return {"step": version, "reward": rewards.mean().item(), "served_version": body["model_version"],
@@ -93,7 +95,7 @@ def trainer_class():
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=24)

@@ -174,15 +174,28 @@ def _policies(app_name: str) -> dict[str, dict]:
     return {r: s["policy"] for r, s in ray.get(board.get_all.remote(FRESH_S)).items() if "policy" in s}
 
 
+def _running_replicas(app_name: str) -> int:
+    """How many engine replicas Serve counts as running (0 when it cannot say)."""
+    try:
+        from ray import serve
+
+        states = serve.status().applications[app_name].deployments[ENGINE_DEPLOYMENT].replica_states
+        return int(states.get("RUNNING", 0))
+    except Exception:
+        return 0
+
+
 def _wait(app_name: str, done, timeout_s: float, what: str) -> dict[str, dict]:
-    """Until every live replica's policy report satisfies done (and there is at least one)."""
+    """Until every live replica's policy report satisfies done: at least as many as Serve counts running (a
+    replica busy loading weights still reports, so none drops out of the count), and at least one."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             policies = _policies(app_name)
         except ValueError:  # no board yet: the app is still starting
             policies = {}
-        if policies and all(done(p) for p in policies.values()):
+        if (policies and all(done(p) for p in policies.values())
+                and len(policies) >= _running_replicas(app_name)):
             return policies
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what}: after {timeout_s:.0f} s not every replica of {app_name!r} has followed: "
@@ -218,14 +231,25 @@ class PolicyFollower:
                     self._busy[1].exception()  # waits
                 elif not self._busy[1].done():
                     return
-                self._finish(*self._busy)
-                self._busy = None
+                busy, self._busy = self._busy, None
+                self._finish(*busy)  # may start the next part of the same change (fetched -> load)
+                if self._busy is not None:
+                    continue
             self._step()
             if self._busy is None or not block:
                 return
 
+    def _load(self, weights: Any, update: dict) -> None:
+        self._busy = ("update", self.llm.update_weights(weights, update["version"], update["pause"],
+                                                        update["partial"]), update)
+
     def _finish(self, what: str, future: Any, update: dict | None) -> None:
         error = future.exception()
+        if what == "fetch":
+            if error is None:
+                self._load(future.result(), update)
+                return
+            what = "update"
         if what != "update":
             if error is not None:
                 logger.error("kvscale: %s failed: %s", what, error)
@@ -257,9 +281,10 @@ class PolicyFollower:
             for update in updates:
                 if update["seq"] > max(self.applied_seq, self.error_seq):
                     source = update["source"]
-                    weights = ray.get(source[0]) if isinstance(source, list) else source
-                    self._busy = ("update", llm.update_weights(weights, update["version"], update["pause"],
-                                                               update["partial"]), update)
+                    if isinstance(source, list):  # pulled without blocking the reports: loaded on a later call
+                        self._busy = ("fetch", source[0].future(), update)
+                    else:
+                        self._load(source, update)
                     return
         mode = desired["pause"]
         if mode != llm.paused:
