@@ -29,6 +29,11 @@ class EngineConfig:
     # per layer group where sliding and full layers mix (engine/kv_groups.py). False keeps every block (windows
     # still mask attention): the comparison point for benchmarks, and a way out should the grouping misbehave
     free_out_of_window_blocks: bool = True
+    # each request's tokens and logprobs bit-identical whether it runs alone or in any batch, however its prompt
+    # is chunked or cached (RL rollouts, reproducible evals): every linear layer and attention call sums in one
+    # fixed order (kernels.batch_invariant_ops). Slower (bench/batch_invariant.py); sampled requests also need a
+    # `seed` to draw the same noise, greedy ones do not
+    batch_invariant: bool = False
     seed: int = 0  # seed of the sampler for unseeded requests
     kv_cache_bytes: int | None = None  # CPU budget for the KV pool; None: DEFAULT_CPU_KV_CACHE_BYTES
     gpu_memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION  # CUDA: fraction of the device's memory

@@ -59,7 +59,7 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.ops = select_ops(config.attention_backend, self.device.type, self.dtype)
+        self.ops = select_ops(config.attention_backend, self.device.type, self.dtype, config.batch_invariant)
         self.block_size = config.block_size
 
         model_cls = get_model_class(hf_config.architectures[0])

@@ -9,7 +9,7 @@ reference. CUDA uses the Triton kernels where they exist and cuBLAS for linear l
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -17,13 +17,13 @@ import torch
 from kernels.activation import silu_mul_cpu, silu_mul_ref
 from kernels.cpu_native import NATIVE_MAX_ROWS, NATIVE_MAX_ROWS_BF16, native
 from kernels.kv_cache import write_kv_cpu, write_kv_ref
-from kernels.linear import linear_cpu, linear_ref
+from kernels.linear import linear_cpu, linear_invariant_cpu, linear_ref
 from kernels.metadata import AttentionMetadata
 from kernels.norm import rms_norm_cpu, rms_norm_ref
-from kernels.paged_attention import paged_attention_ref, paged_attention_sdpa
+from kernels.paged_attention import paged_attention_invariant_cpu, paged_attention_ref, paged_attention_sdpa
 from kernels.rotary import rotary_cpu, rotary_ref
 
-__all__ = ["AttentionMetadata", "BACKENDS", "Ops", "select_ops"]
+__all__ = ["AttentionMetadata", "BACKENDS", "Ops", "batch_invariant_ops", "select_ops"]
 
 
 BACKENDS = ("auto", "reference", "cpu", "triton")
@@ -67,9 +67,43 @@ def cpu_ops(dtype: torch.dtype) -> Ops:
                f"oneDNN linear, SDPA attention, torch reference elementwise ops ({why})")
 
 
-def select_ops(backend: str, device_type: str, dtype: torch.dtype = torch.float32) -> Ops:
+def select_ops(backend: str, device_type: str, dtype: torch.dtype = torch.float32,
+               batch_invariant: bool = False) -> Ops:
     """The one place a backend is chosen. backend: "auto" (Triton on CUDA where it loads, else the CPU path on
-    CPU and the references on CUDA) | "reference" | "cpu" (host memory only) | "triton"."""
+    CPU and the references on CUDA) | "reference" | "cpu" (host memory only) | "triton". batch_invariant: that
+    backend's batch-invariant ops (batch_invariant_ops)."""
+    ops = _select_ops(backend, device_type, dtype)
+    return batch_invariant_ops(ops, dtype) if batch_invariant else ops
+
+
+def batch_invariant_ops(ops: Ops, dtype: torch.dtype) -> Ops:
+    """The same backend with every op whose sums depend on the step's shape replaced by one with a fixed order
+    (EngineConfig.batch_invariant): linear layers (the library GEMMs pick their blocking and split of K by the
+    row count) and attention (prefill chunks go through flash attention, decode rows through another kernel,
+    long contexts are split over programs). The rest already computes each row alone in a fixed order: RMSNorm,
+    rotary, SwiGLU and KV write (one row a task), and the sampler's per-row softmax."""
+    if ops.name == "cpu":
+        if native() is None or dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                "batch_invariant on CPU runs on our C kernels in float32 or bfloat16; "
+                + ("they cannot be built on this machine (see the log line of kernels/cpu_native.py)"
+                   if native() is None else f"the model runs in {dtype}") + ". Set dtype to float32 or bfloat16, "
+                "or turn batch_invariant off.")
+        return replace(ops, name="cpu", linear=linear_invariant_cpu, paged_attention=paged_attention_invariant_cpu,
+                       description="batch-invariant: our C GEMV for every linear layer and our C decode kernel for "
+                                   "every query token; " + ops.description)
+    if ops.name == "triton":
+        from kernels.triton_ops import linear_invariant_triton, paged_attention_invariant_triton  # noqa: PLC0415
+
+        return replace(ops, linear=linear_invariant_triton, paged_attention=paged_attention_invariant_triton,
+                       description="batch-invariant: fixed-tile Triton linear, one program per query token and no "
+                                   "context split in attention; " + ops.description)
+    raise ValueError("batch_invariant runs on attention_backend 'cpu' or 'triton' (or 'auto', which picks one of "
+                     f"them); the {ops.name!r} ops batch decode rows with padding. Change attention_backend, or "
+                     "turn batch_invariant off.")
+
+
+def _select_ops(backend: str, device_type: str, dtype: torch.dtype) -> Ops:
     if backend not in BACKENDS:
         raise ValueError(f"attention_backend must be one of {', '.join(BACKENDS)}; got {backend!r}"
                          + (" ('torch' is now 'cpu': C kernels + oneDNN + SDPA; or 'reference': plain torch)"

@@ -59,10 +59,14 @@ def linear_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Our C kernel (kernels/cpu_native.c) for the bandwidth-bound few-row case; None where it does not apply."""
+def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  max_rows: int | None = None) -> torch.Tensor | None:
+    """Our C kernel (kernels/cpu_native.c) for the bandwidth-bound few-row case; None where it does not apply.
+    max_rows: the most rows it takes (None: NATIVE_MAX_ROWS, where oneDNN starts to win)."""
     bf = native_dtype(x, weight, bias)
-    if (x.dim() != 2 or bf is None or x.shape[0] > (NATIVE_MAX_ROWS_BF16 if bf else NATIVE_MAX_ROWS)
+    if max_rows is None and bf is not None:
+        max_rows = NATIVE_MAX_ROWS_BF16 if bf else NATIVE_MAX_ROWS
+    if (x.dim() != 2 or bf is None or x.shape[0] > max_rows
             or not weight.is_contiguous() or (bias is not None and not bias.is_contiguous())):
         return None
     lib = native()
@@ -74,6 +78,21 @@ def linear_native(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     kernel(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), y.data_ptr(),
            x.shape[0], x.shape[1], weight.shape[0], torch.get_num_threads())
     return y
+
+
+INVARIANT_ROWS = 32  # rows per call of the GEMV in batch-invariant mode: x's rows stay in L1/L2 while w streams
+
+
+def linear_invariant_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch-invariant linear: every row through our C GEMV, whose output element (r, o) is one dot product of
+    x[r] and w[o] in a fixed order whatever the row count, thread count or neighbours (oneDNN's blocking, and
+    with it the order of its sums, changes with the row count). Rows go INVARIANT_ROWS at a time."""
+    parts = [linear_native(x[i : i + INVARIANT_ROWS], weight, bias, max_rows=INVARIANT_ROWS)
+             for i in range(0, max(x.shape[0], 1), INVARIANT_ROWS)]
+    if any(p is None for p in parts):  # the dtype and kernels were checked at start-up (kernels.select_ops)
+        raise RuntimeError(f"batch-invariant linear: the C GEMV cannot take x {tuple(x.shape)} {x.dtype} with "
+                           f"weight {tuple(weight.shape)} {weight.dtype}")
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

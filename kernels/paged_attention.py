@@ -247,11 +247,6 @@ def paged_attention_sdpa(
         return buf.transpose(1, 2)
 
     lib, bf = native(), native_dtype(q)
-    table = None
-    if fp8:
-        table = meta.scratch.get(("fp8_table", k_cache.dtype))
-        if table is None:
-            table = meta.scratch[("fp8_table", k_cache.dtype)] = fp8_table(k_cache.dtype)
     native_decode = (lib is not None and bf is not None and meta.block_tables.device.type == "cpu"
                      and (fp8 or k_cache.dtype == q.dtype) and v_cache.dtype == k_cache.dtype
                      and q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous()
@@ -261,15 +256,8 @@ def paged_attention_sdpa(
     fresh = fp8 and key is not None  # the C kernel reads each row's own token from key/value
     for step in _sdpa_plan(meta, block_size, sliding_window, q.device, native_decode):
         if isinstance(step, NativeDecode):
-            tables, rows, tokens, ctx = step
-            lib.kvs_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
-                                 tables.data_ptr(), tables.stride(0), rows.data_ptr(), tokens.data_ptr(),
-                                 ctx.data_ptr(), len(rows), num_heads, num_kv_heads, head_dim, block_size,
-                                 sliding_window or 0, scale * k_scale, v_scale,
-                                 table.data_ptr() if fp8 else None, key.data_ptr() if fresh else None,
-                                 value.data_ptr() if fresh else None, key.stride(0) if fresh else 0,
-                                 value.stride(0) if fresh else 0, 1.0 / k_scale, 1.0 / v_scale, bf,
-                                 torch.get_num_threads())
+            _native_decode(lib, step, q, k_cache, v_cache, out, meta, scale, sliding_window, k_scale, v_scale,
+                           key if fresh else None, value if fresh else None)
         elif isinstance(step, DecodeGroup):
             token_idx, ids, nb, mask, own_positions = step
             rows = len(token_idx)
@@ -288,4 +276,70 @@ def paged_attention_sdpa(
             res = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                                  enable_gqa=gqa)
             out[start : start + q_len] = res[0].transpose(0, 1)
+    return out
+
+
+def _native_decode(lib, step: NativeDecode, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   out: torch.Tensor, meta: AttentionMetadata, scale: float, sliding_window: int | None,
+                   k_scale: float, v_scale: float, key: torch.Tensor | None, value: torch.Tensor | None) -> None:
+    """Rows of `step` through our C decode kernel, which reads the pages in place. Each (row, query head) is
+    one task in a fixed order over its keys, whatever else the call holds. key/value: an fp8 cache's own
+    tokens as written (None: every key from the pages)."""
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    fp8 = is_fp8(k_cache)
+    table = None
+    if fp8:
+        table = meta.scratch.get(("fp8_table", k_cache.dtype))
+        if table is None:
+            table = meta.scratch[("fp8_table", k_cache.dtype)] = fp8_table(k_cache.dtype)
+    tables, rows, tokens, ctx = step
+    fresh = key is not None
+    lib.kvs_paged_decode(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                         tables.data_ptr(), tables.stride(0), rows.data_ptr(), tokens.data_ptr(),
+                         ctx.data_ptr(), len(rows), num_heads, num_kv_heads, head_dim, block_size,
+                         sliding_window or 0, scale * k_scale, v_scale,
+                         table.data_ptr() if fp8 else None, key.data_ptr() if fresh else None,
+                         value.data_ptr() if fresh else None, key.stride(0) if fresh else 0,
+                         value.stride(0) if fresh else 0, 1.0 / k_scale, 1.0 / v_scale, native_dtype(q),
+                         torch.get_num_threads())
+
+
+def paged_attention_invariant_cpu(
+    q: torch.Tensor,  # (T, H, D)
+    k_cache: torch.Tensor,  # (num_blocks, block_size, Hkv, D)
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
+) -> torch.Tensor:  # (T, H, D)
+    """Batch-invariant attention (EngineConfig.batch_invariant): every query token, decode or prefill, is one
+    row of the C decode kernel against its own context 0..pos (its sequence's pages, this step's K/V already
+    written), so what a token gets does not depend on how its prompt was chunked, whether its prefix came
+    from the cache, or what else the step holds. A prefill chunk costs q_len decode rows instead of one
+    flash-attention call. With an fp8 cache each token's own K/V is attended as written and every other key
+    from the pages, alike in every step shape. Same semantics as paged_attention_ref (tested against it)."""
+    lib = native()
+    plan = meta.plans.get("invariant_decode_rows")
+    if plan is None:  # once a step per KV group, shared by the group's layers
+        rows: list[int] = []
+        ctx: list[int] = []
+        for b, (q_len, seq_len) in enumerate(zip(meta.query_lens_host, meta.seq_lens_host)):
+            rows.extend([b] * q_len)
+            ctx.extend(range(seq_len - q_len + 1, seq_len + 1))
+        plan = meta.plans["invariant_decode_rows"] = NativeDecode(
+            meta.block_tables.to(torch.int32).contiguous(), torch.tensor(rows, dtype=torch.int64),
+            torch.arange(len(rows), dtype=torch.int64), torch.tensor(ctx, dtype=torch.int64))
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    if is_fp8(k_cache) and key is not None:
+        key, value = key.to(q.dtype).contiguous(), value.to(q.dtype).contiguous()
+    else:
+        key = value = None
+    _native_decode(lib, plan, q, k_cache.contiguous(), v_cache.contiguous(), out, meta, scale, sliding_window,
+                   k_scale, v_scale, key, value)
     return out

@@ -389,6 +389,65 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     return q_out, k_out
 
 
+# ---------------------------------------------------------------------------------------------- linear
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rows, n_out, n_in, stride_x, stride_w, stride_y,
+                   HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y = x @ w.T (+ b), one (BLOCK_M, BLOCK_N) tile a program, the whole of K in BLOCK_K steps in order: no
+    split-K and no tile size that depends on the shape, so an output element's sum runs the same way for any
+    row count (the batch-invariant linear; cuBLAS picks its algorithm, and its split of K, by shape)."""
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, n_in, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_ptr + rm[:, None].to(tl.int64) * stride_x + kk[None, :],
+                    mask=(rm[:, None] < rows) & (kk[None, :] < n_in), other=0.0)
+        w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_w + kk[None, :],
+                    mask=(rn[:, None] < n_out) & (kk[None, :] < n_in), other=0.0)
+        if IEEE_DOT:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + rn, mask=rn < n_out, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + rm[:, None].to(tl.int64) * stride_y + rn[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=(rm[:, None] < rows) & (rn[None, :] < n_out))
+
+
+def linear_invariant_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch-invariant linear (EngineConfig.batch_invariant): fixed 32 x 64 x 32 tiles, products in fp32 (IEEE in
+    fp32 and under the interpreter, the matrix units in bf16/fp16), one rounding at the end."""
+    x = x.contiguous()
+    weight = weight.contiguous()
+    rows, n_in = x.shape
+    n_out = weight.shape[0]
+    y = torch.empty(rows, n_out, dtype=x.dtype, device=x.device)
+    if rows == 0:
+        return y
+    block_m, block_n, block_k = 32, 64, 32
+    _linear_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n_out, block_n))](
+        x, weight, bias if bias is not None else x, y, rows, n_out, n_in, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32 or _INTERPRETED,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    return y
+
+
+def paged_attention_invariant_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                     meta: AttentionMetadata, scale: float, sliding_window: int | None = None,
+                                     k_scale: float = 1.0, v_scale: float = 1.0, key: torch.Tensor | None = None,
+                                     value: torch.Tensor | None = None) -> torch.Tensor:
+    """Batch-invariant attention: the paged kernel with every query token its own program (as decode runs,
+    prefill chunks too) and no split of the context, so each token's keys are summed in one order, 64 at a time
+    from position 0 (or its window's start), whatever the step holds."""
+    return paged_attention_triton(q, k_cache, v_cache, meta, scale, sliding_window, k_scale, v_scale, key, value,
+                                  num_splits=1, block_m=1)
+
+
 def _make_ops():
     from kernels import Ops
     from kernels.activation import silu_mul_ref

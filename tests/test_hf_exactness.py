@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from kernels.cpu_native import native
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ is a folder of scripts, not a package
 from bench.models import hf_greedy  # noqa: E402
@@ -134,6 +135,18 @@ def test_bf16_next_token_distribution_matches_hf_bf16(make_tiny_model):
         token, ours_lp = c.token_ids[0], c.logprobs[0][c.token_ids[0]].logprob
         assert want[token] >= want.max() - 0.1, (token, want[token].item(), want.max().item())
         assert abs(ours_lp - want[token].item()) < 0.1
+
+
+@pytest.mark.parametrize("variant", ["llama-gqa", "qwen3-qknorm", "gemma3-sliding-full"])
+def test_batch_invariant_mode_matches_hf(hf_reference, variant):
+    """batch_invariant=True swaps linear layers and attention for fixed-order kernels: still HF's greedy tokens,
+    under chunked prefill too."""
+    if native() is None:
+        pytest.skip("batch_invariant on CPU needs the C kernels, which cannot be built on this machine")
+    path, prompts, expected = hf_reference(variant)
+    ours, llm = _ours(path, prompts, num_kv_blocks=64, max_num_batched_tokens=9, batch_invariant=True)
+    assert "batch-invariant" in llm.engine.runner.ops.description
+    assert ours == expected
 
 
 # ---- the Triton kernels, end to end (Triton's interpreter on CPU; see tests/test_kernels.py) ----

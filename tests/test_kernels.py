@@ -20,7 +20,9 @@ import torch
 from kernels import AttentionMetadata, select_ops
 from kernels.kv_cache import dequantize, quantize, write_kv_ref
 from kernels.norm import rms_norm_ref
-from kernels.paged_attention import _decode_buckets, paged_attention_ref, paged_attention_sdpa
+from kernels.cpu_native import native
+from kernels.paged_attention import (_decode_buckets, paged_attention_invariant_cpu, paged_attention_ref,
+                                     paged_attention_sdpa)
 from kernels.rotary import rotary_ref
 
 # Where the Triton kernels run: Triton's interpreter on CPU tensors (CI, any machine), or compiled on the
@@ -182,6 +184,28 @@ def test_cpu_sdpa_attention_matches_reference(query_lens, seq_lens, block_size, 
     got = paged_attention_sdpa(q, kc, vc, meta, 0.125, sliding_window=window)
     want = paged_attention_ref(q, kc, vc, meta, 0.125, sliding_window=window)
     torch.testing.assert_close(got.float(), want.float(), **SDPA_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
+@pytest.mark.parametrize("window", [None, 5])
+def test_batch_invariant_attention_matches_reference(heads, kv_heads, dtype, window):
+    """The batch-invariant attention (every query token its own row: the C decode kernel on CPU, one program per
+    token and no context split in Triton) on whole prompts, a chunk over a cached prefix and decodes; and a
+    token gets the same bits whatever else the step holds."""
+    q, kc, vc, meta = make_batch([20, 7, 1, 1, 16], [20, 33, 1, 40, 48], 16, 64, heads, kv_heads, 64, dtype)
+    want = paged_attention_ref(q, kc, vc, meta, 0.125, sliding_window=window)
+    ops = [triton_ops.paged_attention_invariant_triton] + ([paged_attention_invariant_cpu] if native() else [])
+    for op in ops:
+        meta.plans.clear()
+        got = op(q, kc, vc, meta, 0.125, sliding_window=window)
+        check(got, want, dtype)
+        # the second sequence's 7-token chunk alone in its step
+        alone = dataclasses.replace(meta, query_start_loc=torch.tensor([0, 7], dtype=torch.int32),
+                                    seq_lens=meta.seq_lens[1:2], block_tables=meta.block_tables[1:2],
+                                    query_lens_host=[7], seq_lens_host=[33], max_query_len=7, max_seq_len=33,
+                                    token_seq=None, token_pos=None, plans={})
+        assert torch.equal(op(q[20:27].contiguous(), kc, vc, alone, 0.125, sliding_window=window), got[20:27])
 
 
 def test_decode_buckets_cover_every_row_once_and_bound_padding():
@@ -536,3 +560,11 @@ def test_fp8_attention_every_backend_matches_the_reference_on_the_dequantized_ca
         got = triton_ops.paged_attention_triton(q, k8, v8, meta, 0.125, window, K_SCALE, V_SCALE, key, value,
                                                 num_splits=splits)
         torch.testing.assert_close(got, want, **FP8_TOL[dtype])
+    if not own:  # batch-invariant mode: own tokens are read as written only by the query token itself, which a
+        # chunk's other tokens see from the pages; without `own` the pages are all there is, as in the reference
+        invariant = [triton_ops.paged_attention_invariant_triton] + (
+            [paged_attention_invariant_cpu] if cpu_kernels == "native" and native() else [])
+        for op in invariant:
+            meta.plans.clear()
+            torch.testing.assert_close(op(q, k8, v8, meta, 0.125, window, K_SCALE, V_SCALE), want,
+                                       **FP8_TOL[dtype])
