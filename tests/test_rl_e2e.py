@@ -29,6 +29,11 @@ def policies(make_tiny_model):
     return {"old": old, "new": new, "want_old": hf_greedy(old, [PROMPT], 8)[0], "want_new": hf_greedy(new, [PROMPT], 8)[0]}
 
 
+def _app_config(policies, replicas: int) -> dict:
+    return {"model": policies["old"], "dtype": "float32", "num_kv_blocks": 256, "num_replicas": replicas,
+            "torch_threads": 1, "admin_api": True, "api_key": KEY}
+
+
 @pytest.fixture(scope="module")
 def server(policies):
     from ray import serve
@@ -36,9 +41,7 @@ def server(policies):
     from serve_app import build_app, rl
 
     with local_serve(num_cpus=8) as base:
-        serve.run(build_app({"model": policies["old"], "dtype": "float32", "num_kv_blocks": 256, "num_replicas": 2,
-                             "torch_threads": 1, "admin_api": True, "api_key": KEY}),
-                  name=APP, route_prefix="/", blocking=False)
+        serve.run(build_app(_app_config(policies, 2)), name=APP, route_prefix="/", blocking=False)
         wait_until_serving([f"{base}/health"], 300, "the app")
         yield base
         rl.reset(app_name=APP)
@@ -127,6 +130,25 @@ def test_pushed_weights_reach_every_replica_and_one_restarted_after_a_crash(serv
     for _ in range(4):
         assert _greedy(server, policies["old"])["choices"][0]["token_ids"] == policies["want_new"]
 
+    # replicas started after the update (the app scaled to 3, as an autoscaler's scale-up starts one) come up on
+    # the pushed policy too
+    from ray import serve
+
+    from serve_app import build_app
+
+    serve.run(build_app(_app_config(policies, 3)), name=APP, route_prefix="/", blocking=False)
+    deadline = time.time() + 240
+    while time.time() < deadline and len(now := _replica_versions()) != 3:
+        time.sleep(1)
+    assert len(now) == 3 and set(now) - set(before), now
+    assert list(now.values()) == [1, 1, 1]
+    serve.run(build_app(_app_config(policies, 2)), name=APP, route_prefix="/", blocking=False)
+    deadline = time.time() + 240
+    while time.time() < deadline and len(now := _replica_versions()) != 2:
+        time.sleep(1)
+    assert list(now.values()) == [1, 1]
+    wait_until_serving([f"{server}/health"], 120, "the app")
+
 
 def test_admin_routes(server, policies):
     url = f"{server}/admin"
@@ -188,3 +210,68 @@ def test_admin_routes_fuzzed_get_clear_errors_and_change_nothing(server, policie
     assert statuses.get(400, 0) >= 20, statuses
     assert _replica_versions() == before
     assert _greedy(server, policies["old"])["model_version"] is not None  # still serving, not paused
+
+
+def _stream(base: str, model: str, max_tokens: int, started, out: dict) -> None:
+    """One greedy stream; out gets its finish_reason, token count and the model_version of its last chunk."""
+    import json
+
+    tokens, finish, version = 0, None, None
+    with httpx.stream("POST", f"{base}/v1/completions", headers=_headers(), timeout=300, json={
+            "model": Path(model).name, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "return_token_ids": True}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[len("data: "):])
+            version = chunk.get("model_version", version)
+            for choice in chunk["choices"]:
+                tokens += len(choice.get("token_ids") or [])
+                finish = choice.get("finish_reason") or finish
+            if tokens:
+                started.release()
+    out.update(finish=finish, tokens=tokens, version=version)
+
+
+def _kv_in_use(base: str) -> list[float]:
+    text = httpx.get(f"{base}/metrics", headers=_headers(), timeout=30).text
+    return [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("kvscale:kv_cache_usage_perc{") and "replica=" in line]
+
+
+@pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
+def test_each_pause_mode_under_concurrent_streams(server, policies, mode):
+    """update_weights while 4 streams run on the two replicas: abort ends them with finish_reason abort; wait
+    lets them finish on the old version before the update lands; keep freezes them and finishes them on the new
+    weights, their model_version the list of both. Every replica's KV is back to empty after."""
+    import threading
+
+    from serve_app import rl
+
+    old_version = rl.version(app_name=APP)["version"]
+    target = "old" if mode != "wait" else "new"
+    new_version = f"{mode}-{target}"
+    started, outs = threading.Semaphore(0), [{} for _ in range(4)]
+    threads = [threading.Thread(target=_stream, args=(server, policies["old"], 460, started, o)) for o in outs]
+    for t in threads:
+        t.start()
+    for _ in threads:  # every stream has its first token: all four are in flight
+        assert started.acquire(timeout=120)
+    rl.update_weights(_weights(policies[target]), version=new_version, app_name=APP, pause=mode)
+    for t in threads:
+        t.join(timeout=300)
+    for o in outs:
+        if mode == "abort":
+            assert o["finish"] == "abort" and o["tokens"] < 460, o
+        elif mode == "wait":
+            assert o["finish"] == "length" and o["tokens"] == 460 and o["version"] == old_version, o
+        else:
+            assert o["finish"] == "length" and o["tokens"] == 460 and o["version"] == [old_version, new_version], o
+    body = _greedy(server, policies["old"])
+    assert body["model_version"] == new_version
+    assert body["choices"][0]["token_ids"] == policies[f"want_{target}"]
+    deadline = time.time() + 30
+    while any(_kv_in_use(server)) and time.time() < deadline:
+        time.sleep(0.5)
+    assert _kv_in_use(server) == [0.0, 0.0]
