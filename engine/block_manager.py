@@ -32,6 +32,7 @@ class BlockTableOwner(Protocol):
     block_hashes: list[bytes]
     num_registered_blocks: int
     num_released_blocks: list[int]  # per group: leading table entries that are placeholders (release_out_of_window)
+    state_slot: int | None  # hybrid models: its slot of the recurrent-state pool while it holds blocks
 
 
 @dataclass
@@ -61,10 +62,16 @@ def cdiv(a: int, b: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 group_windows: SequenceABC[int | None] = (None,)) -> None:
+                 group_windows: SequenceABC[int | None] = (None,), num_state_slots: int = 0) -> None:
         """group_windows: per KV group (engine.kv_groups), its sliding window or None (full attention). Every
         group has its own block table per sequence and draws from this one pool; a sliding group gives back
-        the blocks behind its window while the sequence runs."""
+        the blocks behind its window while the sequence runs.
+
+        num_state_slots: hybrid models (linear-attention layers beside the attention ones) keep a fixed-size
+        recurrent state per sequence in a pool of this many slots; a sequence takes one with its first blocks
+        and gives it back with them (finish, abort, preemption: it recomputes its state when it runs again).
+        A state is only valid at the end of what its own sequence computed, so a hybrid model shares no
+        prefix blocks (prefix caching off, no sibling sharing): every sequence computes its whole prompt."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1; got {num_blocks}, {block_size}")
         if not group_windows:
@@ -84,6 +91,11 @@ class BlockManager:
         # prefix-cache counters (in tokens), for metrics
         self.num_prefix_queried_tokens = 0
         self.num_prefix_hit_tokens = 0
+        if num_state_slots and enable_prefix_caching:
+            raise ValueError("a hybrid model's sequences cannot share prefix blocks (their recurrent state is not "
+                             "kept at block boundaries): enable_prefix_caching must be False")
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: slot 0 first
 
     # ---- counts the scheduler, metrics and autoscaler read (all O(1)) ----
     @property
@@ -209,7 +221,11 @@ class BlockManager:
         All or nothing: returns False and changes nothing when the pool cannot cover it.
         """
         assert not seq.block_tables, "admit() is for sequences that hold no blocks"
+        if self.num_state_slots and not self.free_state_slots:
+            return False
         prefix = prefix or self.empty_prefix()
+        if self.num_state_slots and prefix.num_blocks:
+            raise ValueError("a hybrid model's sequence cannot start from shared prefix blocks")
         n = prefix.num_blocks
         num_prefix_tokens = n * self.block_size
         num_new_blocks = cdiv(num_prefix_tokens + num_new_tokens, self.block_size) - n
@@ -227,6 +243,8 @@ class BlockManager:
         for table in seq.block_tables:
             for _ in range(num_new_blocks):
                 table.append(self._pop_free())
+        if self.num_state_slots:
+            seq.state_slot = self.free_state_slots.pop()
         return True
 
     def allocate_slots(self, seq: BlockTableOwner, num_new_tokens: int) -> bool:
@@ -248,6 +266,9 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_registered_blocks = 0
         seq.num_released_blocks = []
+        if getattr(seq, "state_slot", None) is not None:
+            self.free_state_slots.append(seq.state_slot)
+            seq.state_slot = None
 
     def first_visible_block(self, position: int, window: int) -> int:
         """The first block a query at `position` or later can see through a sliding window of `window` tokens
@@ -315,6 +336,19 @@ class BlockManager:
         blocks (pass [] when none should): a block whose reference count no live table explains is a leak.
         For tests and debugging."""
         holders = [0] * self.num_total_blocks
+        live = list(live)
+        slots = [seq.state_slot for seq in live if getattr(seq, "state_slot", None) is not None]
+        if self.num_state_slots:
+            if len(set(slots)) != len(slots) or set(slots) & set(self.free_state_slots):
+                raise AssertionError(f"a state slot is held twice, or held and free: held {slots}, free "
+                                     f"{self.free_state_slots}")
+            if len(slots) + len(self.free_state_slots) != self.num_state_slots:
+                raise AssertionError(f"state slots leaked: {len(slots)} held + {len(self.free_state_slots)} free of "
+                                     f"{self.num_state_slots}")
+            if any(seq.block_tables and seq.state_slot is None for seq in live):
+                raise AssertionError("a sequence of a hybrid model holds blocks but no state slot")
+        elif slots:
+            raise AssertionError(f"state slots held without a state pool: {slots}")
         for seq in live:
             held = [b for table, rel in zip(seq.block_tables, seq.num_released_blocks) for b in table[rel:]]
             if seq.block_tables and len({len(t) for t in seq.block_tables}) != 1:

@@ -110,8 +110,15 @@ class LLMEngine:
         self.runner.sampler.structured = self.structured_outputs
 
         groups = self.runner.kv_groups
-        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, config.enable_prefix_caching,
-                                          groups.windows)
+        caching = config.enable_prefix_caching
+        if self.runner.num_state_slots and caching:
+            # a cached prefix's KV blocks would come without the linear layers' state at the prefix's end
+            logger.info("prefix caching is off for this model: its linear-attention layers keep a recurrent state "
+                        "per sequence that is not checkpointed at block boundaries, so a cached prefix could not be "
+                        "resumed; every prompt is computed whole")
+            caching = False
+        self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, caching, groups.windows,
+                                          self.runner.num_state_slots)
         max_positions = self.hf_config.max_position_embeddings
         pool_tokens = self._longest_fitting_sequence(max_positions)
         self.max_model_len = config.max_model_len or min(max_positions, pool_tokens)

@@ -77,6 +77,11 @@ class ModelRunner:
         for layer in self.attention_layers():
             layer.kv_group = self.kv_groups.layer_group[layer.layer_idx]
 
+        # hybrid models (linear-attention layers): a recurrent state per running sequence, in a pool of slots
+        self.state_bytes_per_seq = model.state_bytes_per_seq(self.dtype) if hasattr(model, "new_state_pool") else 0
+        self.num_state_slots = config.max_num_seqs if self.state_bytes_per_seq else 0
+        self.state_pool = self._new_state_pool()
+
         self.sampler = Sampler(self.vocab_size, eos_token_ids, config.seed, self.device)
         # what a fake step (config.fake_step_s) samples: an ordinary token, never an end of sequence
         self.fake_token = next(t for t in range(100, self.vocab_size) if t not in eos_token_ids)
@@ -95,6 +100,14 @@ class ModelRunner:
                     self.bytes_per_block // self.block_size, self.kv_groups.num_groups, self.num_kv_blocks,
                     self.block_size, self.kv_cache.numel() * self.kv_cache.element_size() / 2**20)
         logger.info("%s", self.kv_groups.describe())
+        if self.num_state_slots:
+            logger.info("recurrent state of the linear-attention layers: %d bytes per sequence, %d slots (%.1f MiB)",
+                        self.state_bytes_per_seq, self.num_state_slots,
+                        self.state_bytes_per_seq * self.num_state_slots / 2**20)
+
+    def _new_state_pool(self) -> list:
+        return (self.model.new_state_pool(self.num_state_slots, self.dtype, self.device) if self.num_state_slots
+                else [])
 
     # ---- weights and memory, for RL rollouts (LLMEngine.update_weights / sleep / wake_up) ----
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False,
@@ -105,7 +118,7 @@ class ModelRunner:
 
     def release_memory(self, level: int) -> None:
         """Sleep: level 1 frees the KV pool, level 2 the weights too. Only while no sequence holds blocks."""
-        self.kv_cache, self.kv_caches = None, []
+        self.kv_cache, self.kv_caches, self.state_pool = None, [], []
         self.attention_scratch.clear()
         if level >= 2:
             self._weight_shapes = {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
@@ -121,6 +134,7 @@ class ModelRunner:
         weights were freed, i.e. must be loaded again before the next step."""
         self.kv_cache = self._new_kv_pool(self.num_kv_blocks)
         self.kv_caches = self._layer_views(self.kv_cache)
+        self.state_pool = self._new_state_pool()
         shapes = getattr(self, "_weight_shapes", None)
         if shapes is None:
             return False
@@ -162,6 +176,7 @@ class ModelRunner:
                              f"{self.num_kv_blocks}")
         seq = Sequence("prompt-logits", 0, list(token_ids), SamplingParams(max_tokens=1))
         seq.block_tables = [list(range(g * num_blocks, (g + 1) * num_blocks)) for g in range(num_groups)]
+        seq.state_slot = 0 if self.num_state_slots else None
         logits = []
         for start in range(0, len(token_ids), chunk or len(token_ids)):
             seq.num_computed_tokens = start
@@ -195,6 +210,7 @@ class ModelRunner:
             budget = int(free * self.config.gpu_memory_utilization) - self._activation_bytes()
         else:
             budget = self.config.kv_cache_bytes or DEFAULT_CPU_KV_CACHE_BYTES
+        budget -= self.num_state_slots * self.state_bytes_per_seq  # hybrid models: the state pool comes first
         num_blocks = budget // self.bytes_per_block
         if num_blocks < 1:
             raise RuntimeError(
@@ -222,6 +238,8 @@ class ModelRunner:
         scratch = self._new_kv_pool(num_blocks)
         saved = getattr(self, "kv_caches", None)
         self.kv_caches = self._layer_views(scratch)
+        for i, seq in enumerate(batch.seqs):
+            seq.state_slot = i if self.num_state_slots else None
         try:
             self.execute(batch)
         finally:
@@ -235,9 +253,10 @@ class ModelRunner:
         the engine once max_model_len is known, since attention is captured for the longest context."""
         if self.device.type != "cuda" or self.config.enforce_eager or self.ops.name != "triton":
             return
-        if self.kv_groups.num_groups > 1:
-            logger.info("decode steps run eagerly: CUDA graphs are captured for one block table per sequence, and "
-                        "this model has %d KV groups", self.kv_groups.num_groups)
+        if self.kv_groups.num_groups > 1 or self.num_state_slots:
+            logger.info("decode steps run eagerly: CUDA graphs are captured for one block table per sequence and no "
+                        "recurrent state, and this model has %d KV groups%s", self.kv_groups.num_groups,
+                        " and linear-attention layers" if self.num_state_slots else "")
             return
         from engine.cuda_graphs import DecodeGraphs, capture_sizes
 
@@ -276,6 +295,10 @@ class ModelRunner:
             query_lens_host=list(query_lens), seq_lens_host=seq_lens,
             max_query_len=max(query_lens), max_seq_len=max(seq_lens), scratch=self.attention_scratch,
         )
+        if self.num_state_slots:
+            meta.state_slots = [s.state_slot for s in seqs]
+            meta.state_fresh = [st == 0 for st in starts]
+            meta.linear_states = self.state_pool
         if len(group_tables) > 1:
             meta.group_metas = [meta] + [
                 dataclasses.replace(meta, slot_mapping=m.to(dev), block_tables=t.to(dev), plans={})

@@ -193,6 +193,8 @@ class Scheduler:
     def _admission_prefix(self, seq: Sequence) -> PrefixBlocks | None:
         """The leading blocks to share (from the prefix cache, or sample 1's computed prompt), or None to wait."""
         bm = self.block_manager
+        if bm.num_state_slots:  # hybrid: a shared prefix would come without the recurrent state at its end
+            return bm.empty_prefix()
         parent = seq.parent
         if parent is None or parent.is_finished:
             return bm.find_cached_prefix(seq)

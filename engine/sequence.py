@@ -45,6 +45,7 @@ class Sequence:
     # them; their table entries stay as placeholders (never read: outside every window), so positions keep
     # their index
     num_released_blocks: list[int] = field(default_factory=list)
+    state_slot: int | None = None  # hybrid models: its slot of the recurrent-state pool (BlockManager)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it

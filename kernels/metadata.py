@@ -35,6 +35,12 @@ class AttentionMetadata:
     # Models with several KV groups (engine.kv_groups): one metadata per group, the first being this one; the
     # others differ only in slot_mapping, block_tables and plans. None: one group
     group_metas: list[AttentionMetadata] | None = field(default=None, repr=False, compare=False)
+    # Hybrid models (linear-attention layers with a recurrent state per sequence): per sequence of the batch its
+    # slot of the state pool and whether this step starts it from zeros (its first chunk); per linear layer its
+    # pool tensors (engine.models.qwen3_5). None: no such layers
+    state_slots: list[int] | None = None
+    state_fresh: list[bool] | None = None
+    linear_states: list[Any] | None = field(default=None, repr=False, compare=False)
 
     def for_group(self, group: int) -> AttentionMetadata:
         """The metadata a layer of KV group `group` attends with."""

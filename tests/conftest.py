@@ -34,7 +34,7 @@ def _hf_config(arch: str, **overrides):
                 initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
            "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
-           "gemma3": transformers.Gemma3TextConfig}[arch]
+           "gemma3": transformers.Gemma3TextConfig, "qwen3_5": transformers.Qwen3_5TextConfig}[arch]
     if arch == "mistral":
         base["sliding_window"] = None
     if arch == "gemma3":  # the 270M's shape in small: MQA, a wide head, 2 sliding layers to 1 full
@@ -43,6 +43,12 @@ def _hf_config(arch: str, **overrides):
                     rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                      "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
                     tie_word_embeddings=True, initializer_range=0.02)
+    if arch == "qwen3_5":  # the hybrid in small: Gated DeltaNet layers around gated full attention
+        base.update(num_hidden_layers=4, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                    layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+                    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+                    initializer_range=0.05)
     base.update(overrides)
     return cls(**base)
 
@@ -64,7 +70,7 @@ def make_tiny_model(tmp_path_factory, default_model_path):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():  # HF starts Gemma's (1 + w) norms at w = 0; make w count in the tests
             for name, param in model.named_parameters():
-                if arch == "gemma3" and "norm" in name:
+                if arch in ("gemma3", "qwen3_5") and "norm" in name:  # zero-centred norms start at w = 0
                     param.normal_(0.0, 0.3)
         out = tmp_path_factory.mktemp(f"tiny-{arch}")
         model.save_pretrained(out)

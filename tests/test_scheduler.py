@@ -12,8 +12,8 @@ from engine.scheduler import Scheduler
 from engine.sequence import Sequence, SequenceStatus
 
 
-def make(num_blocks=8, block_size=4, max_seqs=8, budget=16, caching=True, windows=(None,)):
-    bm = BlockManager(num_blocks, block_size, caching, windows)
+def make(num_blocks=8, block_size=4, max_seqs=8, budget=16, caching=True, windows=(None,), state_slots=0):
+    bm = BlockManager(num_blocks, block_size, caching, windows, state_slots)
     return bm, Scheduler(bm, max_seqs, budget)
 
 
@@ -116,13 +116,19 @@ ops = st.lists(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, num_blocks=st.integers(11, 24), block_size=st.sampled_from([2, 4, 8]),
        budget=st.integers(1, 48), max_seqs=st.integers(1, 6), caching=st.booleans(),
-       window=st.integers(1, 20), layout=st.sampled_from(["full", "sliding", "hybrid", "hybrid3"]))
+       window=st.integers(1, 20),
+       layout=st.sampled_from(["full", "sliding", "hybrid", "hybrid3", "linear", "linear-sliding"]))
 def test_fuzz_invariants(ops, num_blocks, block_size, budget, max_seqs, caching, window, layout):
     """KV groups as the engine forms them: one full group; one sliding group (every layer on `window`, Mistral);
-    a sliding and a full group (Gemma 3); a full and two sliding groups. Sliding groups release the blocks
-    behind the window as sequences advance, full groups keep theirs."""
-    windows = {"full": (None,), "sliding": (window,), "hybrid": (window, None), "hybrid3": (None, window, window)}
-    bm, sch = make(num_blocks, block_size, max_seqs, budget, caching, windows[layout])
+    a sliding and a full group (Gemma 3); a full and two sliding groups; and linear-attention hybrids (Qwen3.5):
+    a recurrent-state slot per running sequence beside its blocks, no prefix sharing. Sliding groups release
+    the blocks behind the window as sequences advance, full groups keep theirs; state slots come and go with
+    a sequence's blocks (finish, abort, preemption)."""
+    windows = {"full": (None,), "sliding": (window,), "hybrid": (window, None), "hybrid3": (None, window, window),
+               "linear": (None,), "linear-sliding": (window, None)}
+    state_slots = max_seqs if layout.startswith("linear") else 0
+    bm, sch = make(num_blocks, block_size, max_seqs, budget, caching and not state_slots, windows[layout],
+                   state_slots)
     added: list[Sequence] = []
     for op in ops:
         if op[0] == "add":
@@ -155,6 +161,7 @@ def test_fuzz_invariants(ops, num_blocks, block_size, budget, max_seqs, caching,
     assert not sch.has_unfinished, "requests were left waiting forever"
     assert bm.num_free_blocks == bm.num_total_blocks
     assert all(r == 0 for r in bm.ref_counts)
+    assert sorted(bm.free_state_slots) == list(range(state_slots))
     bm.check_invariants([])
 
 

@@ -9,6 +9,7 @@ _REGISTRY = {
     "Qwen2ForCausalLM": "engine.models.qwen:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "engine.models.qwen:Qwen3ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",
+    "Qwen3_5ForCausalLM": "engine.models.qwen3_5:Qwen3_5ForCausalLM",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

@@ -165,6 +165,8 @@ _MERGED = {
 class DecoderForCausalLM(nn.Module):
     """Base of every family: forward to hidden states, logits for the rows asked for, weight loading."""
 
+    merged_modules: tuple[str, ...] = ("qkv_proj", "gate_up_proj")  # parameters several HF tensors fill
+
     def __init__(self, hf_config: Any, spec: DecoderSpec, ops: Ops, max_positions: int,
                  model: nn.Module | None = None) -> None:
         super().__init__()
@@ -243,7 +245,7 @@ class DecoderForCausalLM(nn.Module):
             missing = []
             for target in params:
                 module = target.split(".")[-2]
-                expected = len(self._shard_sizes(module)) if module in ("qkv_proj", "gate_up_proj") else 1
+                expected = len(self._shard_sizes(module)) if module in self.merged_modules else 1
                 if filled.get(target, 0) != expected:
                     missing.append(target)
             if missing:

@@ -1,0 +1,262 @@
+"""Qwen3.5 (HF Qwen3_5ForCausalLM, text config `qwen3_5_text`): a hybrid of gated full attention and Gated
+DeltaNet linear attention, per `layer_types` (the seed's Qwen3.6-27B: 16 full-attention layers of 64).
+
+- Full-attention layers: q_proj carries an output gate beside the query (per head: D query, D gate), q/k
+  RMS-normalized per head, rotary on the first `partial_rotary_factor` of each head (text-only mrope is plain
+  rope), the output multiplied by sigmoid(gate). They keep paged KV like every other model; only they count
+  in the KV pool (L in M = 2 L H_kv d T b).
+- Gated DeltaNet layers keep no KV but a fixed-size state per sequence: the last K-1 inputs of a causal
+  depthwise conv1d and a (value heads, d_k, d_v) matrix updated by the gated delta rule,
+  S <- exp(g) S + k (beta (v - S^T k))^T, out = S^T q / sqrt(d_k), with q and k L2-normalized. The runner
+  holds the states of all sequences in a pool of slots (ModelRunner.state_pool); a sequence's slot comes and
+  goes with its KV blocks (BlockManager), a chunk starts from the state its previous chunk left, and a
+  sequence's first chunk from zeros.
+- RMSNorms are zero-centred (x * (1 + w)): the shared norm op gets 1 + w at load time, as for Gemma.
+
+The delta rule here is the token-by-token recurrence in fp32 (HF's torch_recurrent_gated_delta_rule), for
+prefill chunks and decode alike: a reference, not a fast path (HF's prefill uses the chunked form, equal to
+rounding).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.layers import MLP, Attention, DecoderForCausalLM, DecoderSpec, RMSNorm
+from engine.models.rope import build_rope_cache
+from kernels import AttentionMetadata, Ops
+
+# HF's separate projections of a Gated DeltaNet layer -> our merged in_proj, and which shard
+_LINEAR_MERGED = {"in_proj_qkv": 0, "in_proj_z": 1, "in_proj_b": 2, "in_proj_a": 3}
+
+
+class GatedAttention(Attention):
+    """Full attention with Qwen3.5's output gate and partial rotary; K/V paged as in every model."""
+
+    def __init__(self, spec: DecoderSpec, kv_layer_idx: int, ops: Ops, rotary_dim: int) -> None:
+        super().__init__(spec, kv_layer_idx, ops)
+        self.qkv_proj = nn.Linear(spec.hidden_size, 2 * self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.rotary_dim = rotary_dim
+
+    def forward(self, hidden, positions, rope, kv_cache, meta: AttentionMetadata):
+        t = hidden.shape[0]
+        qkv = self.ops.linear(hidden, self.qkv_proj.weight, self.qkv_proj.bias)
+        qg, k, v = qkv.split([2 * self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qg = qg.view(t, self.num_heads, 2 * self.head_dim)
+        q, gate = qg[..., : self.head_dim], qg[..., self.head_dim :].reshape(t, self.q_size)
+        q, _ = self.q_norm(q.contiguous())
+        k, _ = self.k_norm(k.reshape(t, self.num_kv_heads, self.head_dim))
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        r = self.rotary_dim
+        q_rot, k_rot = self.ops.rotary(q[..., :r], k[..., :r], positions, *rope)
+        q = torch.cat([q_rot, q[..., r:]], dim=-1) if r < self.head_dim else q_rot
+        k = torch.cat([k_rot, k[..., r:]], dim=-1) if r < self.head_dim else k_rot
+        k_cache, v_cache = kv_cache
+        meta = meta.for_group(self.kv_group)
+        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = self.ops.paged_attention(q.contiguous(), k_cache, v_cache, meta, self.scale, self.sliding_window,
+                                       self.k_scale, self.v_scale, k, v)
+        out = out.reshape(t, self.q_size) * torch.sigmoid(gate)
+        return self.ops.linear(out, self.o_proj.weight)
+
+
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's tokens through the gated delta rule, in order, from `state`. q, k (n, Hk, dk); v (n, Hv,
+    dv); g, beta (n, Hv); state (Hv, dk, dv) float32. Returns the outputs (n, Hv, dv) float32 and the new
+    state. Each query/key head serves Hv / Hk consecutive value heads."""
+    n, num_k_heads, head_k = k.shape
+    num_v_heads = v.shape[1]
+    if num_k_heads != num_v_heads:
+        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q / (head_k**0.5)
+    out = torch.empty(n, num_v_heads, v.shape[-1], dtype=torch.float32, device=v.device)
+    decay = g.exp()
+    for i in range(n):
+        state = state * decay[i][:, None, None]
+        kv_mem = (state * k[i][:, :, None]).sum(dim=-2)  # (Hv, dv)
+        delta = (v[i] - kv_mem) * beta[i][:, None]
+        state = state + k[i][:, :, None] * delta[:, None, :]
+        out[i] = (state * q[i][:, :, None]).sum(dim=-2)
+    return out, state
+
+
+class GatedDeltaNet(nn.Module):
+    """A linear-attention layer: merged input projection (q|k|v, z, b, a), causal depthwise conv1d with its
+    state, the gated delta rule with its state, gated RMSNorm, output projection."""
+
+    def __init__(self, cfg: Any, linear_idx: int, ops: Ops) -> None:
+        super().__init__()
+        self.num_k_heads, self.num_v_heads = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.head_k, self.head_v = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k, self.num_v_heads * self.head_v
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.kernel = cfg.linear_conv_kernel_dim
+        self.eps = cfg.rms_norm_eps
+        self.linear_idx, self.ops = linear_idx, ops
+        self.in_proj = nn.Linear(cfg.hidden_size, self.conv_dim + self.value_dim + 2 * self.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.head_v))
+        self.out_proj = nn.Linear(self.value_dim, cfg.hidden_size, bias=False)
+
+    def shard_sizes(self) -> list[int]:
+        return [self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads]
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per sequence: the conv state (conv_dim, K - 1) and the delta state (Hv, dk, dv)."""
+        return (self.conv_dim, self.kernel - 1), (self.num_v_heads, self.head_k, self.head_v)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        t = hidden.shape[0]
+        proj = self.ops.linear(hidden, self.in_proj.weight)
+        mixed, z, b, a = proj.split(self.shard_sizes(), dim=-1)
+        conv_pool, delta_pool = meta.linear_states[self.linear_idx]
+        core = torch.empty(t, self.num_v_heads, self.head_v, dtype=hidden.dtype, device=hidden.device)
+        weight = self.conv1d.weight  # (conv_dim, 1, K)
+        neg_a = -self.A_log.float().exp()
+        start = 0
+        for n, slot, fresh in zip(meta.query_lens_host, meta.state_slots, meta.state_fresh):
+            x = mixed[start : start + n].t()  # (conv_dim, n)
+            prev = conv_pool.new_zeros(self.conv_dim, self.kernel - 1) if fresh else conv_pool[slot]
+            window = torch.cat([prev, x.to(prev.dtype)], dim=-1)
+            conv_pool[slot] = window[:, window.shape[1] - (self.kernel - 1) :]
+            y = F.silu(F.conv1d(window[None].to(weight.dtype), weight, groups=self.conv_dim)[0]).t()  # (n, conv)
+            q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+            beta = b[start : start + n].sigmoid()
+            g = neg_a * F.softplus(a[start : start + n].float() + self.dt_bias)
+            state = delta_pool.new_zeros(delta_pool.shape[1:]) if fresh else delta_pool[slot]
+            out, state = gated_delta_rule(q.reshape(n, self.num_k_heads, self.head_k),
+                                          k.reshape(n, self.num_k_heads, self.head_k),
+                                          v.reshape(n, self.num_v_heads, self.head_v), g, beta, state)
+            delta_pool[slot] = state
+            core[start : start + n] = out.to(hidden.dtype)
+            start += n
+        # gated RMSNorm per value head: w * norm(x) in the model's dtype, times silu(z) in fp32
+        xf = core.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = self.norm.weight * xf.to(hidden.dtype)
+        gated = (normed * F.silu(z.reshape(t, self.num_v_heads, self.head_v).float())).to(hidden.dtype)
+        return self.ops.linear(gated.reshape(t, self.value_dim), self.out_proj.weight)
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, spec: DecoderSpec, cfg: Any, kind: str, index: int, ops: Ops, rotary_dim: int) -> None:
+        super().__init__()
+        self.is_attention = kind == "full_attention"
+        if self.is_attention:
+            self.self_attn = GatedAttention(spec, index, ops, rotary_dim)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, index, ops)
+        self.mlp = MLP(spec, ops)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+
+    def forward(self, hidden, residual, positions, rope, kv_cache, meta):
+        hidden, residual = self.input_layernorm(hidden, residual) if residual is not None else (
+            self.input_layernorm(hidden)[0], hidden)
+        if self.is_attention:
+            hidden = self.self_attn(hidden, positions, rope, kv_cache, meta)
+        else:
+            hidden = self.linear_attn(hidden, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class HybridModel(nn.Module):
+    def __init__(self, spec: DecoderSpec, cfg: Any, ops: Ops, rotary_dim: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        layers, counts = [], {"full_attention": 0, "linear_attention": 0}
+        for kind in cfg.layer_types:
+            layers.append(HybridDecoderLayer(spec, cfg, kind, counts[kind], ops, rotary_dim))
+            counts[kind] += 1
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+
+    def forward(self, input_ids, positions, rope, kv_caches, meta):
+        hidden, residual = self.embed_tokens(input_ids), None
+        kv = iter(kv_caches)
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, positions, rope, next(kv) if layer.is_attention else None,
+                                     meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class Qwen3_5ForCausalLM(DecoderForCausalLM):
+    merged_modules = ("qkv_proj", "gate_up_proj", "in_proj")
+
+    def __init__(self, hf_config: Any, ops: Ops, max_positions: int) -> None:
+        kinds = list(hf_config.layer_types)
+        unknown = sorted(set(kinds) - {"full_attention", "linear_attention"})
+        if unknown:
+            raise ValueError(f"Qwen3.5 layer_types holds {unknown}; supported: full_attention, linear_attention")
+        num_full = kinds.count("full_attention")
+        if num_full == 0:
+            raise ValueError("this Qwen3.5 config has no full-attention layer; the engine needs at least one")
+        spec = DecoderSpec.from_hf(hf_config, qk_norm=True, sliding_windows=[None] * num_full)
+        params = dict(getattr(hf_config, "rope_parameters", None) or {})
+        rotary_dim = int(spec.head_dim * params.get("partial_rotary_factor", 1.0))
+        super().__init__(hf_config, spec, ops, max_positions, model=HybridModel(spec, hf_config, ops, rotary_dim))
+        self.rotary_dim = rotary_dim
+
+    def init_rope(self, device: torch.device) -> None:
+        cos, sin = build_rope_cache(self.hf_config, self.rotary_dim, self.max_positions)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    # ---- the recurrent state (ModelRunner.state_pool) ----
+    def linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if not layer.is_attention]
+
+    def state_bytes_per_seq(self, dtype: torch.dtype) -> int:
+        """Bytes of recurrent state one sequence holds over all linear layers, whatever the model's dtype: both
+        states are kept in fp32 (the conv state holds the model dtype's values exactly; the delta state is
+        accumulated in fp32, as HF's reference does). engine.capacity counts the same."""
+        total = 0
+        for layer in self.linear_layers():
+            conv, delta = layer.state_shapes()
+            total += 4 * (conv[0] * conv[1] + delta[0] * delta[1] * delta[2])
+        return total
+
+    def new_state_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+        """Per linear layer: (conv states (slots, conv_dim, K - 1), delta states (slots, Hv, dk, dv)), fp32."""
+        return [tuple(torch.zeros((num_slots, *shape), dtype=torch.float32, device=device)
+                      for shape in layer.state_shapes()) for layer in self.linear_layers()]
+
+    # ---- weights ----
+    def _shard_sizes(self, merged: str) -> list[int]:
+        s = self.spec
+        if merged == "qkv_proj":  # q_proj holds query and gate
+            return [2 * s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim, s.num_kv_heads * s.head_dim]
+        if merged == "in_proj":
+            return self.linear_layers()[0].shard_sizes()
+        return super()._shard_sizes(merged)
+
+    def _destination(self, name: str, params: dict[str, torch.nn.Parameter]) -> tuple[str, torch.Tensor] | None:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in _LINEAR_MERGED:
+                target = ".".join(parts[:i] + ["in_proj"] + parts[i + 1 :])
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                sizes = self._shard_sizes("in_proj")
+                shard = _LINEAR_MERGED[part]
+                return target, params[target].data.narrow(0, sum(sizes[:shard]), sizes[shard])
+        return super()._destination(name, params)
+
+    def adjust_weight(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Zero-centred RMSNorms scale by (1 + w); the shared norm op by w, so it holds 1 + w. The gated norm
+        of the linear-attention layers scales by w itself."""
+        if name.endswith("norm.weight") and ".linear_attn.norm." not in name:
+            return tensor.float() + 1.0
+        return tensor

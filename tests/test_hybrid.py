@@ -1,0 +1,130 @@
+"""Hybrid models (Qwen3.5: Gated DeltaNet linear attention beside gated full attention): greedy fp32 token for
+token equal to HF transformers on tiny random configs of several layer patterns, head counts and conv kernels,
+whole prompts and chunked prefill, preemption forced by a small pool, n > 1; every block and state slot free at
+the end. And the engine's own accounting on the seed's Qwen3.6-27B-like config."""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.models import hf_greedy  # noqa: E402
+
+MAX_NEW = 12
+L, F = "linear_attention", "full_attention"
+VARIANTS = {
+    # the default tiny hybrid: 3 linear layers around one full (conftest), GQA 4/2, value heads 2x key heads
+    "lin-lin-full-lin": {},
+    # full layers first and last, one key head for two value heads, a 2-tap conv, MQA
+    "full-lin-lin-full": dict(layer_types=[F, L, L, F], linear_num_key_heads=1, linear_num_value_heads=2,
+                              linear_conv_kernel_dim=2, num_key_value_heads=1),
+    # as many key as value heads, wider heads, a 3-tap conv, whole-head rotary
+    "lin-full": dict(num_hidden_layers=2, layer_types=[L, F], linear_num_key_heads=2, linear_num_value_heads=2,
+                     linear_key_head_dim=16, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+                     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}),
+}
+
+
+def _prompts(seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 40000) for _ in range(n)] for n in (1, 5, 17, 40, 33)]
+
+
+@pytest.fixture(scope="module")
+def hybrid(make_tiny_model):
+    cache = {}
+
+    def get(variant: str):
+        if variant not in cache:
+            path = make_tiny_model("qwen3_5", **VARIANTS[variant])
+            cache[variant] = (path, hf_greedy(path, _prompts(), MAX_NEW))
+        return cache[variant]
+
+    return get
+
+
+def _ours(path: str, n: int = 1, **kw):
+    llm = LLM(model=path, dtype="float32", device="cpu", show_progress=False, **({"num_kv_blocks": 64} | kw))
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True, n=n)
+    outs = llm.generate(_prompts(), params)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+    assert sorted(bm.free_state_slots) == list(range(bm.num_state_slots)) and bm.num_state_slots > 0
+    bm.check_invariants([])
+    return outs, llm
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_hybrid_matches_hf_whole_and_chunked(hybrid, variant):
+    path, want = hybrid(variant)
+    outs, llm = _ours(path)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert not llm.engine.block_manager.enable_prefix_caching  # off for hybrids, with a log line
+    outs, _ = _ours(path, max_num_batched_tokens=7)  # prompts cut into chunks: the state carries over
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def test_hybrid_matches_hf_under_preemption_and_with_n_samples(hybrid):
+    path, want = hybrid("lin-lin-full-lin")
+    outs, llm = _ours(path, num_kv_blocks=6, max_model_len=64)  # 6 blocks of 16 for 5 sequences: preemptions
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert llm.stats().num_preemptions_total > 0
+    outs, _ = _ours(path, n=3, max_num_batched_tokens=16)  # every sample computes its prompt's state itself
+    for o, w in zip(outs, want):
+        assert [c.token_ids for c in o.outputs] == [w] * 3
+
+
+def test_hybrid_on_the_triton_attention_path(hybrid):
+    pytest.importorskip("triton", reason="triton is not installed")  # it is, in CI
+    path, want = hybrid("full-lin-lin-full")
+    outs, llm = _ours(path, attention_backend="triton", max_num_batched_tokens=9)
+    assert llm.engine.runner.ops.name == "triton"
+    assert [o.outputs[0].token_ids for o in outs] == want
+
+
+def _seed_like_config():
+    """The seed's example: Qwen3.6-27B-like, 64 layers of which 16 full attention (4 KV heads, head dim 256)."""
+    import transformers
+
+    return transformers.Qwen3_5TextConfig(
+        num_hidden_layers=64, num_attention_heads=24, num_key_value_heads=4, head_dim=256, hidden_size=5120,
+        intermediate_size=17408, vocab_size=248320, layer_types=([L] * 3 + [F]) * 16, linear_num_value_heads=48,
+        linear_num_key_heads=16, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+        architectures=["Qwen3_5ForCausalLM"])
+
+
+def test_engine_accounting_on_the_seeds_example():
+    """The engine's own numbers (model built on the meta device, the runner's formulas) against the seed's
+    M = 2 L H_kv d T b with L = 16, and the state against engine.capacity's count."""
+    from engine.capacity import _linear_state_bytes
+    from engine.kv_groups import KVGroups
+    from engine.models import get_model_class
+    from kernels import select_ops
+
+    cfg = _seed_like_config()
+    with torch.device("meta"):
+        model = get_model_class("Qwen3_5ForCausalLM")(cfg, select_ops("reference", "cpu"), 4096)
+    groups = KVGroups.from_layer_windows(model.spec.sliding_windows)
+    bf16 = 2
+    kv_per_token = groups.num_groups * groups.group_size * 2 * model.spec.num_kv_heads * model.spec.head_dim * bf16
+    assert kv_per_token == 2 * 16 * 4 * 256 * 2 == 64 * 1024
+    assert groups.num_groups == 1 and groups.group_size == 16  # the 48 linear layers keep no KV
+    state = model.state_bytes_per_seq(torch.bfloat16)
+    assert state == 48 * _linear_state_bytes(cfg.to_dict())
+    assert state == 48 * 4 * (48 * 128 * 128 + 3 * (2 * 16 * 128 + 48 * 128))
+
+
+def test_hybrid_pool_sizing_counts_the_state(hybrid):
+    """The KV pool is what the budget leaves after one state slot per sequence the engine may run."""
+    path, _ = hybrid("lin-lin-full-lin")
+    budget = 4 << 20
+    llm = LLM(model=path, dtype="float32", device="cpu", show_progress=False, kv_cache_bytes=budget, max_num_seqs=8)
+    runner = llm.engine.runner
+    assert runner.num_state_slots == 8 and runner.state_bytes_per_seq > 0
+    assert runner.num_kv_blocks == (budget - 8 * runner.state_bytes_per_seq) // runner.bytes_per_block
