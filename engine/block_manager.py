@@ -62,7 +62,8 @@ def cdiv(a: int, b: int) -> int:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 group_windows: SequenceABC[int | None] = (None,), num_state_slots: int = 0) -> None:
+                 group_windows: SequenceABC[int | None] = (None,), num_state_slots: int = 0,
+                 state_blocks_per_seq: int = 0) -> None:
         """group_windows: per KV group (engine.kv_groups), its sliding window or None (full attention). Every
         group has its own block table per sequence and draws from this one pool; a sliding group gives back
         the blocks behind its window while the sequence runs.
@@ -71,7 +72,9 @@ class BlockManager:
         recurrent state per sequence in a pool of this many slots; a sequence takes one with its first blocks
         and gives it back with them (finish, abort, preemption: it recomputes its state when it runs again).
         A state is only valid at the end of what its own sequence computed, so a hybrid model shares no
-        prefix blocks (prefix caching off, no sibling sharing): every sequence computes its whole prompt."""
+        prefix blocks (prefix caching off, no sibling sharing): every sequence computes its whole prompt.
+        state_blocks_per_seq: one slot's bytes in blocks (rounded up), so that demand and capacity counted in
+        blocks include the state (engine.kv_demand, the autoscaler, the router)."""
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need num_blocks >= 1 and block_size >= 1; got {num_blocks}, {block_size}")
         if not group_windows:
@@ -95,6 +98,7 @@ class BlockManager:
             raise ValueError("a hybrid model's sequences cannot share prefix blocks (their recurrent state is not "
                              "kept at block boundaries): enable_prefix_caching must be False")
         self.num_state_slots = num_state_slots
+        self.state_blocks_per_seq = state_blocks_per_seq if num_state_slots else 0
         self.free_state_slots = list(range(num_state_slots - 1, -1, -1))  # popped from the end: slot 0 first
 
     # ---- counts the scheduler, metrics and autoscaler read (all O(1)) ----

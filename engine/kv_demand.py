@@ -26,7 +26,8 @@ def projected_demand_blocks(seqs: Iterable[Sequence], recent_output_lens: Iterab
                             block_manager: BlockManager) -> int:
     """Blocks of block_manager's pool the sequences will hold at their end, over every KV group: a full group
     holds the whole sequence, a sliding group at most the blocks its window spans while it decodes (blocks
-    behind it go back to the pool: BlockManager.release_out_of_window)."""
+    behind it go back to the pool: BlockManager.release_out_of_window). Hybrid models: plus each sequence's
+    recurrent-state slot, in blocks of the same bytes (BlockManager.state_blocks_per_seq)."""
     p90 = expected_output_len_p90(recent_output_lens)
     bm = block_manager
     caps = [None if w is None else bm.window_blocks(w) for w in bm.group_windows]
@@ -35,5 +36,5 @@ def projected_demand_blocks(seqs: Iterable[Sequence], recent_output_lens: Iterab
         max_out = seq.params.max_tokens
         expected_out = max_out if p90 is None else min(max_out, max(p90, seq.num_output_tokens + 1))
         blocks = cdiv(seq.num_prompt_tokens + expected_out, bm.block_size)
-        total += sum(blocks if cap is None else min(blocks, cap) for cap in caps)
+        total += sum(blocks if cap is None else min(blocks, cap) for cap in caps) + bm.state_blocks_per_seq
     return total

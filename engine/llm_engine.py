@@ -44,7 +44,11 @@ class EngineStats:
     num_generation_tokens_total: int
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
-    kv_demand_blocks: int  # blocks the live sequences will hold at their end (engine.kv_demand)
+    kv_demand_blocks: int  # blocks the live sequences will hold at their end (engine.kv_demand), state included
+    # hybrid models: recurrent-state slots (one per running sequence), and one slot's bytes in blocks
+    num_state_slots: int = 0
+    num_free_state_slots: int = 0
+    state_blocks_per_seq: int = 0
     # the engine's own counts (zero in the autoscaling simulator, which runs a scheduler without an engine)
     num_prompt_tokens_total: int = 0
     num_steps_total: int = 0
@@ -68,8 +72,15 @@ class EngineStats:
             num_waiting_for_kv=sch.num_waiting_for_kv, num_preemptions_total=sch.num_preemptions_total,
             num_generation_tokens_total=sch.num_generation_tokens_total,
             prefix_cache_queried_tokens=bm.num_prefix_queried_tokens, prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
-            kv_demand_blocks=sch.projected_demand_blocks(), **engine_counts,
+            kv_demand_blocks=sch.projected_demand_blocks(), num_state_slots=bm.num_state_slots,
+            num_free_state_slots=len(bm.free_state_slots), state_blocks_per_seq=bm.state_blocks_per_seq,
+            **engine_counts,
         )
+
+    @property
+    def kv_capacity_blocks(self) -> int:
+        """The replica's KV memory in blocks: the pool, plus the state slots (hybrid models) in blocks."""
+        return self.num_total_blocks + self.num_state_slots * self.state_blocks_per_seq
 
 
 # What an fp8 KV cache's scales are calibrated on at start-up: prose, a chat turn, code and numbers, so every
@@ -117,8 +128,9 @@ class LLMEngine:
                         "per sequence that is not checkpointed at block boundaries, so a cached prefix could not be "
                         "resumed; every prompt is computed whole")
             caching = False
+        state_blocks = -(-self.runner.state_bytes_per_seq // self.runner.bytes_per_block)
         self.block_manager = BlockManager(self.runner.num_kv_blocks, config.block_size, caching, groups.windows,
-                                          self.runner.num_state_slots)
+                                          self.runner.num_state_slots, state_blocks)
         max_positions = self.hf_config.max_position_embeddings
         pool_tokens = self._longest_fitting_sequence(max_positions)
         self.max_model_len = config.max_model_len or min(max_positions, pool_tokens)

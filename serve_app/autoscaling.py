@@ -24,7 +24,7 @@ AUTOSCALER_REPORT_S = 5.0  # the policy's decision reaches /metrics on every cha
 def autoscaling_metrics(stats: Any, num_preempted: int) -> dict[str, float]:
     """What a replica reports to the policy (record_autoscaling_stats), from an engine.llm_engine.EngineStats
     snapshot; the simulator (bench/autoscale_sim.py) reports through this same function."""
-    return {"kv_total_blocks": float(stats.num_total_blocks), "kv_free_blocks": float(stats.num_free_blocks),
+    return {"kv_total_blocks": float(stats.kv_capacity_blocks), "kv_free_blocks": float(stats.num_free_blocks),
             "kv_used_blocks": float(stats.num_used_blocks), "kv_demand_blocks": float(stats.kv_demand_blocks),
             "num_waiting": float(stats.num_waiting), "num_waiting_for_kv": float(stats.num_waiting_for_kv),
             "num_requests": float(stats.num_running + stats.num_waiting), "preemptions": float(num_preempted)}

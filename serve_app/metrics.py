@@ -37,7 +37,13 @@ GAUGES = {
     "num_total_blocks": "KV blocks in this replica's pool.",
     "num_free_blocks": "KV blocks free now, evictable cached ones included.",
     "num_cached_blocks": "Free KV blocks that still hold a reusable cached prefix.",
-    "kv_demand_blocks": "KV blocks the live requests will hold at their end (what the autoscaler scales on).",
+    "kv_demand_blocks": "KV blocks the live requests will hold at their end (what the autoscaler scales on); for "
+                        "hybrid models each request's recurrent state counts too, in blocks of the same bytes.",
+    "num_state_slots": "Recurrent-state slots of a hybrid model's linear-attention layers (one per running "
+                       "sequence; 0 for models without such layers).",
+    "num_free_state_slots": "Recurrent-state slots free now.",
+    "state_blocks_per_seq": "One sequence's recurrent state, in KV blocks of the same bytes (0 without linear "
+                            "attention layers).",
     "num_requests_running": "Sequences in the running batch.",
     "num_requests_waiting": "Sequences waiting for KV blocks or a batch slot.",
 }
@@ -147,6 +153,8 @@ class ReplicaMetrics:
             "gauges": {"kv_cache_usage_perc": used / stats.num_total_blocks,
                        "num_total_blocks": stats.num_total_blocks, "num_free_blocks": stats.num_free_blocks,
                        "num_cached_blocks": stats.num_cached_free_blocks, "kv_demand_blocks": stats.kv_demand_blocks,
+                       "num_state_slots": stats.num_state_slots, "num_free_state_slots": stats.num_free_state_slots,
+                       "state_blocks_per_seq": stats.state_blocks_per_seq,
                        "num_requests_running": stats.num_running, "num_requests_waiting": stats.num_waiting},
             "counters": {"num_preemptions": stats.num_preemptions_total,
                          "prompt_tokens": stats.num_prompt_tokens_total,

@@ -128,3 +128,14 @@ def test_hybrid_pool_sizing_counts_the_state(hybrid):
     runner = llm.engine.runner
     assert runner.num_state_slots == 8 and runner.state_bytes_per_seq > 0
     assert runner.num_kv_blocks == (budget - 8 * runner.state_bytes_per_seq) // runner.bytes_per_block
+    # a running sequence holds a slot; demand counts its blocks plus its state, in blocks of the same bytes
+    bm = llm.engine.block_manager
+    assert bm.state_blocks_per_seq == -(-runner.state_bytes_per_seq // runner.bytes_per_block)
+    llm.engine.add_request("a", list(range(100, 140)), SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.engine.step()
+    stats = llm.stats()
+    assert stats.num_state_slots == 8 and stats.num_free_state_slots == 7
+    assert stats.kv_demand_blocks == -(-48 // 16) + bm.state_blocks_per_seq
+    assert stats.kv_capacity_blocks == runner.num_kv_blocks + 8 * bm.state_blocks_per_seq
+    llm.engine.abort_request("a")
+    assert llm.stats().num_free_state_slots == 8

@@ -197,6 +197,9 @@ def test_projected_demand_counts_what_sequences_will_hold_at_their_end():
     assert projected_demand_blocks([a], recent, sliding) == 3  # a window of 6 spans 3 blocks of 4
     # Gemma 3-like: a full group holds all 5 blocks, each of two sliding groups at most 3
     assert projected_demand_blocks([a], recent, BlockManager(64, 4, group_windows=(6, None, 6))) == 3 + 5 + 3
+    # a hybrid (Qwen3.5): its blocks plus one recurrent-state slot, in blocks of the same bytes
+    hybrid = BlockManager(64, 4, False, num_state_slots=4, state_blocks_per_seq=7)
+    assert projected_demand_blocks([a], recent, hybrid) == 5 + 7
 
 
 def test_update_from_output_ends_on_eos_stop_ids_and_length_and_frees_blocks():
