@@ -283,3 +283,42 @@ def test_the_stats_board_goes_with_its_app(server, make_tiny_model):
     else:
         pytest.fail("the stats board outlived its app")
     assert ray.get_actor("stats-board-main", namespace=BOARD_NAMESPACE)  # the other apps keep theirs
+
+
+def test_a_hybrid_model_serves_through_the_openai_api(server, make_tiny_model):
+    """A tiny random Qwen3.5 (Gated DeltaNet + gated full attention) checkpoint as its own app: completions
+    (token ids in, HF's greedy tokens out) and streamed chat through the real openai client; afterwards every
+    block and state slot is free."""
+    import openai
+    from ray import serve
+
+    from bench.models import hf_greedy
+    from serve_app import build_app
+
+    path = make_tiny_model("qwen3_5")
+    serve.run(build_app({"model": path, "served_model_name": "hybrid", "dtype": "float32", "num_kv_blocks": 64,
+                         "max_model_len": 256, "max_num_seqs": 4, "torch_threads": 1}),
+              name="hybrid", route_prefix="/hybrid", blocking=False)
+    try:
+        wait_until_serving([f"{server}/hybrid/health"], 300, "the hybrid app")
+        client = openai.OpenAI(base_url=f"{server}/hybrid/v1", api_key="unused", max_retries=0, timeout=120)
+        prompts = [list(range(100, 137)), list(range(2000, 2009))]
+        resp = client.completions.create(model="hybrid", prompt=prompts, max_tokens=10, temperature=0,
+                                         extra_body={"ignore_eos": True, "return_token_ids": True})
+        want = hf_greedy(path, prompts, 10)
+        assert [c.model_extra["token_ids"] for c in sorted(resp.choices, key=lambda c: c.index)] == want
+        stream = client.chat.completions.create(model="hybrid", stream=True, max_tokens=12, temperature=0,
+                                                messages=[{"role": "user", "content": "Hello there"}])
+        chunks = list(stream)
+        assert chunks[-1].choices[0].finish_reason in ("length", "stop")
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            slots = _metric(server, "num_state_slots", "/hybrid")
+            free_slots = _metric(server, "num_free_state_slots", "/hybrid")
+            if slots and slots == free_slots:
+                break
+            time.sleep(0.5)
+        assert slots == [4.0] and free_slots == [4.0]
+        _wait_all_free(server, "/hybrid")
+    finally:
+        serve.delete("hybrid")
