@@ -74,7 +74,18 @@ def load_hf_config(path: str) -> Any:
         raise ValueError(
             f"{path}: architecture {archs[0]!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if archs[0] in TEXT_OF_MULTIMODAL:  # the engine runs the language model: its config is the text_config
+        text = config.text_config
+        text.architectures = [archs[0]]
+        for key in ("tie_word_embeddings", "eos_token_id", "bos_token_id", "pad_token_id"):
+            if getattr(text, key, None) is None and getattr(config, key, None) is not None:
+                setattr(text, key, getattr(config, key))
+        return text
     return config
+
+
+# vision-language architectures whose language model the engine serves, text only (engine.models)
+TEXT_OF_MULTIMODAL = ("Qwen3_5ForConditionalGeneration",)
 
 
 def safetensors_files(path: str) -> list[Path]:

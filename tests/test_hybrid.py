@@ -139,3 +139,52 @@ def test_hybrid_pool_sizing_counts_the_state(hybrid):
     assert stats.kv_capacity_blocks == runner.num_kv_blocks + 8 * bm.state_blocks_per_seq
     llm.engine.abort_request("a")
     assert llm.stats().num_free_state_slots == 8
+
+
+@pytest.fixture(scope="module")
+def vision_language_checkpoint(tmp_path_factory, default_model_path):
+    """A tiny random Qwen3_5ForConditionalGeneration (how Qwen3.5 / 3.6 ship: a vision tower beside the
+    hybrid language model), saved with the default model's tokenizer."""
+    import shutil
+
+    import transformers
+    from conftest import TOKENIZER_FILES, _hf_config
+
+    cfg = transformers.Qwen3_5Config(
+        text_config=_hf_config("qwen3_5").to_dict(),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=4, num_position_embeddings=16))
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(cfg).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name and "visual" not in name:
+                param.normal_(0.0, 0.3)
+    out = tmp_path_factory.mktemp("tiny-qwen3_5-vl")
+    model.save_pretrained(out)
+    for name in TOKENIZER_FILES:
+        if (Path(default_model_path) / name).exists():
+            shutil.copy(Path(default_model_path) / name, out / name)
+    return str(out), model.eval()
+
+
+def test_the_language_model_of_a_vision_language_checkpoint(vision_language_checkpoint, caplog):
+    """Qwen3_5ForConditionalGeneration: the text_config drives the engine, model.language_model.* loads as the
+    language model, the vision tower is skipped with a log line; greedy text equals HF's own model's."""
+    import logging
+
+    from transformers import GenerationConfig
+
+    path, hf = vision_language_checkpoint
+    gen = GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
+    want = []
+    with torch.no_grad():
+        for p in _prompts():
+            ids = torch.tensor([p])
+            want.append(hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                    generation_config=gen)[0, len(p):].tolist())
+    with caplog.at_level(logging.INFO):
+        outs, llm = _ours(path, max_num_batched_tokens=9)
+    assert [o.outputs[0].token_ids for o in outs] == want
+    assert type(llm.engine.runner.model).__name__ == "Qwen3_5ForConditionalGeneration"
+    assert "vision tower (model.visual.*) is not loaded" in caplog.text

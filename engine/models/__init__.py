@@ -10,6 +10,7 @@ _REGISTRY = {
     "Qwen3ForCausalLM": "engine.models.qwen:Qwen3ForCausalLM",
     "Gemma3ForCausalLM": "engine.models.gemma3:Gemma3ForCausalLM",
     "Qwen3_5ForCausalLM": "engine.models.qwen3_5:Qwen3_5ForCausalLM",
+    "Qwen3_5ForConditionalGeneration": "engine.models.qwen3_5:Qwen3_5ForConditionalGeneration",
 }
 
 SUPPORTED_ARCHITECTURES = tuple(_REGISTRY)

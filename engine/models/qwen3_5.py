@@ -19,6 +19,7 @@ rounding).
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ from torch import nn
 from engine.models.layers import MLP, Attention, DecoderForCausalLM, DecoderSpec, RMSNorm
 from engine.models.rope import build_rope_cache
 from kernels import AttentionMetadata, Ops
+
+logger = logging.getLogger(__name__)
 
 # HF's separate projections of a Gated DeltaNet layer -> our merged in_proj, and which shard
 _LINEAR_MERGED = {"in_proj_qkv": 0, "in_proj_z": 1, "in_proj_b": 2, "in_proj_a": 3}
@@ -243,6 +246,8 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         return super()._shard_sizes(merged)
 
     def _destination(self, name: str, params: dict[str, torch.nn.Parameter]) -> tuple[str, torch.Tensor] | None:
+        if name.startswith("mtp."):  # the multi-token-prediction head: speculative decoding, not run here
+            return None
         parts = name.split(".")
         for i, part in enumerate(parts):
             if part in _LINEAR_MERGED:
@@ -260,3 +265,24 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
         if name.endswith("norm.weight") and ".linear_attn.norm." not in name:
             return tensor.float() + 1.0
         return tensor
+
+
+class Qwen3_5ForConditionalGeneration(Qwen3_5ForCausalLM):
+    """The language model of a Qwen3.5 vision-language checkpoint (how Qwen3.5 / 3.6 ship), text in, text out.
+    engine.loader hands over its text_config; the checkpoint's `model.language_model.*` tensors load as
+    `model.*`, and the vision tower (`model.visual.*`) is skipped, said once in the log."""
+
+    def __init__(self, hf_config: Any, ops: Ops, max_positions: int) -> None:
+        super().__init__(hf_config, ops, max_positions)
+        self._skipped_vision = 0
+
+    def _destination(self, name: str, params: dict[str, torch.nn.Parameter]) -> tuple[str, torch.Tensor] | None:
+        if name.startswith("model.visual."):
+            if self._skipped_vision == 0:
+                logger.info("vision-language checkpoint: its vision tower (model.visual.*) is not loaded; the engine "
+                            "serves the language model, text only")
+            self._skipped_vision += 1
+            return None
+        if name.startswith("model.language_model."):
+            name = "model." + name.removeprefix("model.language_model.")
+        return super()._destination(name, params)
