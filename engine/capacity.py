@@ -2,8 +2,8 @@
 
 Layer groups: full attention (keeps every token's K/V: L in the formula), sliding-window attention (keeps at
 most its window per sequence), and linear attention (Gated DeltaNet, Mamba-style: no KV, a fixed recurrent
-state per sequence). Pure Python (reads the JSON; no torch, no transformers), so it works for models the engine
-does not run yet. `kvscale capacity` prints it.
+state per sequence). Pure Python (reads the JSON; no torch, no transformers), so it works for any model's
+config, whether the engine runs it or not. `kvscale capacity` prints it.
 """
 from __future__ import annotations
 
