@@ -188,3 +188,21 @@ def test_the_language_model_of_a_vision_language_checkpoint(vision_language_chec
     assert [o.outputs[0].token_ids for o in outs] == want
     assert type(llm.engine.runner.model).__name__ == "Qwen3_5ForConditionalGeneration"
     assert "vision tower (model.visual.*) is not loaded" in caplog.text
+
+
+@pytest.mark.parametrize("n,k_heads,v_heads,dk,dv", [(1, 2, 4, 8, 8), (5, 2, 4, 8, 8), (64, 1, 2, 16, 12),
+                                                    (130, 2, 2, 8, 8), (200, 4, 8, 16, 16)])
+def test_chunked_delta_rule_equals_the_recurrence(n, k_heads, v_heads, dk, dv):
+    """The prefill form (64-token chunks, triangular solve) against the token-by-token recurrence, from a
+    non-zero state, across chunk boundaries and value-head groups: outputs and final state."""
+    from engine.models.qwen3_5 import gated_delta_rule, gated_delta_rule_chunked
+
+    g0 = torch.Generator().manual_seed(n)
+    q, k = torch.randn(n, k_heads, dk, generator=g0), torch.randn(n, k_heads, dk, generator=g0)
+    v = torch.randn(n, v_heads, dv, generator=g0)
+    g, beta = -2 * torch.rand(n, v_heads, generator=g0), torch.rand(n, v_heads, generator=g0)
+    state = 0.5 * torch.randn(v_heads, dk, dv, generator=g0)
+    want_out, want_state = gated_delta_rule(q, k, v, g, beta, state.clone())
+    got_out, got_state = gated_delta_rule_chunked(q, k, v, g, beta, state.clone())
+    torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
