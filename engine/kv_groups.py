@@ -63,6 +63,16 @@ class KVGroups:
                 windows.append(kind)
         return cls(tuple(windows), tuple(layer_group), tuple(layer_slot), size)
 
+    def block_bytes(self, block_size: int, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+        """The seed's M = 2 * L * H_kv * d_head * T * b for one block of T = block_size tokens, L the layers of
+        one group (a block holds one group's layers): what the runner sizes its pool with."""
+        return self.group_size * 2 * block_size * num_kv_heads * head_dim * elem_bytes
+
+    def bytes_per_token(self, num_kv_heads: int, head_dim: int, elem_bytes: int) -> int:
+        """KV bytes one token of a sequence adds over every group (full groups; a sliding group only while the
+        token is inside its window): 2 * L * H_kv * d_head * b with L the layers that keep KV."""
+        return self.num_groups * self.block_bytes(1, num_kv_heads, head_dim, elem_bytes)
+
     def describe(self) -> str:
         full = sum(1 for w in self.windows if w is None)
         parts = [f"{full} full"] if full else []

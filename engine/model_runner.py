@@ -149,7 +149,7 @@ class ModelRunner:
         """The seed's M = 2 * L * H_kv * d_head * T * b for one block of T tokens, b the KV dtype's bytes and L
         the layers of one KV group (every layer when the model has one group)."""
         elem = torch.empty(0, dtype=self.kv_dtype).element_size()
-        return self.kv_groups.group_size * 2 * self.block_size * self.num_kv_heads * self.head_dim * elem
+        return self.kv_groups.block_bytes(self.block_size, self.num_kv_heads, self.head_dim, elem)
 
     def _new_kv_pool(self, num_blocks: int) -> torch.Tensor:
         return torch.zeros(self.kv_groups.group_size, 2, num_blocks, self.block_size, self.num_kv_heads,

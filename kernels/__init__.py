@@ -42,6 +42,7 @@ class Ops:
     linear: Callable
     silu_mul: Callable
     description: str = ""  # what runs, in words, for the start-up log
+    batch_invariant: bool = False  # every op sums in a fixed order per row (batch_invariant_ops)
 
 
 # The plain torch form every other path is checked against.
@@ -89,13 +90,15 @@ def batch_invariant_ops(ops: Ops, dtype: torch.dtype) -> Ops:
                 + ("they cannot be built on this machine (see the log line of kernels/cpu_native.py)"
                    if native() is None else f"the model runs in {dtype}") + ". Set dtype to float32 or bfloat16, "
                 "or turn batch_invariant off.")
-        return replace(ops, name="cpu", linear=linear_invariant_cpu, paged_attention=paged_attention_invariant_cpu,
+        return replace(ops, linear=linear_invariant_cpu, paged_attention=paged_attention_invariant_cpu,
+                       batch_invariant=True,
                        description="batch-invariant: our C GEMV for every linear layer and our C decode kernel for "
                                    "every query token; " + ops.description)
     if ops.name == "triton":
         from kernels.triton_ops import linear_invariant_triton, paged_attention_invariant_triton  # noqa: PLC0415
 
         return replace(ops, linear=linear_invariant_triton, paged_attention=paged_attention_invariant_triton,
+                       batch_invariant=True,
                        description="batch-invariant: fixed-tile Triton linear, one program per query token and no "
                                    "context split in attention; " + ops.description)
     raise ValueError("batch_invariant runs on attention_backend 'cpu' or 'triton' (or 'auto', which picks one of "

@@ -51,6 +51,8 @@ CASES = [pytest.param("llama", "cpu", "float32", marks=needs_native),
          pytest.param("llama", "cpu", "bfloat16", marks=needs_native),
          # sliding and full layers in two KV groups, q/k norms, MQA
          pytest.param("gemma3", "cpu", "bfloat16", marks=needs_native),
+         # a hybrid: Gated DeltaNet layers carry a recurrent state across the chunks of a prompt
+         pytest.param("qwen3_5", "cpu", "float32", marks=needs_native),
          pytest.param("llama", "triton", "float32")]
 
 
@@ -87,7 +89,8 @@ def test_request_alone_and_among_31_others_is_bit_identical(make_tiny_model, arc
                          (3, "sampled", target, _params("sampled", max_new))]
     assert len(arrivals) == 32
     batched = _run(engine, arrivals)
-    assert batched["greedy"][2] >= 32 and batched["sampled"][2] >= 32  # the prefix hit happened
+    if arch != "qwen3_5":  # hybrids keep prefix caching off (engine/models/qwen3_5.py)
+        assert batched["greedy"][2] >= 32 and batched["sampled"][2] >= 32  # the prefix hit happened
 
     for kind in ("greedy", "sampled"):
         tokens, logprobs, _ = batched[kind]

@@ -110,10 +110,11 @@ def test_engine_accounting_on_the_seeds_example():
     cfg = _seed_like_config()
     with torch.device("meta"):
         model = get_model_class("Qwen3_5ForCausalLM")(cfg, select_ops("reference", "cpu"), 4096)
-    groups = KVGroups.from_layer_windows(model.spec.sliding_windows)
+    groups = KVGroups.from_layer_windows(model.spec.sliding_windows)  # as ModelRunner forms them
     bf16 = 2
-    kv_per_token = groups.num_groups * groups.group_size * 2 * model.spec.num_kv_heads * model.spec.head_dim * bf16
+    kv_per_token = groups.bytes_per_token(model.spec.num_kv_heads, model.spec.head_dim, bf16)
     assert kv_per_token == 2 * 16 * 4 * 256 * 2 == 64 * 1024
+    assert groups.block_bytes(16, model.spec.num_kv_heads, model.spec.head_dim, bf16) == 16 * 64 * 1024
     assert groups.num_groups == 1 and groups.group_size == 16  # the 48 linear layers keep no KV
     state = model.state_bytes_per_seq(torch.bfloat16)
     assert state == 48 * _linear_state_bytes(cfg.to_dict())

@@ -125,17 +125,25 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: DecoderSpec, layer_idx: int, ops: Ops) -> None:
+    """norm -> token mixer -> norm -> MLP, residuals fused into the norms. The mixer is attention unless a
+    family gives its own (a hybrid's linear-attention layers), under the name its checkpoints use."""
+
+    def __init__(self, spec: DecoderSpec, layer_idx: int, ops: Ops, mixer: nn.Module | None = None,
+                 mixer_name: str = "self_attn") -> None:
         super().__init__()
-        self.self_attn = Attention(spec, layer_idx, ops)
+        self.mixer_name = mixer_name
+        setattr(self, mixer_name, mixer if mixer is not None else Attention(spec, layer_idx, ops))
         self.mlp = MLP(spec, ops)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
 
+    def mix(self, hidden, positions, rope, kv_cache, meta):
+        return self.self_attn(hidden, positions, rope, kv_cache, meta)
+
     def forward(self, hidden, residual, positions, rope, kv_cache, meta):
         hidden, residual = self.input_layernorm(hidden, residual) if residual is not None else (
             self.input_layernorm(hidden)[0], hidden)
-        hidden = self.self_attn(hidden, positions, rope, kv_cache, meta)
+        hidden = self.mix(hidden, positions, rope, kv_cache, meta)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 

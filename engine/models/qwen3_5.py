@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.models.layers import MLP, Attention, DecoderForCausalLM, DecoderSpec, RMSNorm
+from engine.models.layers import Attention, DecoderForCausalLM, DecoderLayer, DecoderSpec, RMSNorm
 from engine.models.rope import build_rope_cache
 from kernels import AttentionMetadata, Ops
 
@@ -62,12 +62,32 @@ class GatedAttention(Attention):
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = self.ops.paged_attention(q.contiguous(), k_cache, v_cache, meta, self.scale, self.sliding_window,
                                        self.k_scale, self.v_scale, k, v)
-        out = out.reshape(t, self.q_size) * torch.sigmoid(gate)
+        sigmoid = torch.sigmoid(gate) if not self.ops.batch_invariant else ew_invariant(torch.sigmoid, gate)
+        out = out.reshape(t, self.q_size) * sigmoid
         return self.ops.linear(out, self.o_proj.weight)
 
 
+EW_BLOCK = 64  # elements: a multiple of twice the widest vector torch's CPU loops use (AVX-512 fp32: 16)
+
+
+def ew_invariant(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn (an elementwise op) on x with every element taking the same code path whatever x's size: torch's CPU
+    loops run whole vectors and leave the remainder to a scalar loop, whose exp/sigmoid/softplus round
+    differently, so an element's bits would depend on how many others share the call. Padding the flat input
+    to a multiple of EW_BLOCK sends every element through the vector loop. For batch-invariant mode."""
+    flat = x.reshape(-1)
+    pad = -flat.numel() % EW_BLOCK
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    return fn(flat)[: x.numel()].view(x.shape)
+
+
+def _same(fn, x: torch.Tensor) -> torch.Tensor:
+    return fn(x)
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     state: torch.Tensor, ew=_same) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's tokens through the gated delta rule, in order, from `state`. q, k (n, Hk, dk); v (n, Hv,
     dv); g, beta (n, Hv); state (Hv, dk, dv) float32. Returns the outputs (n, Hv, dv) float32 and the new
     state. Each query/key head serves Hv / Hk consecutive value heads."""
@@ -77,11 +97,11 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         q = q.repeat_interleave(num_v_heads // num_k_heads, dim=1)
         k = k.repeat_interleave(num_v_heads // num_k_heads, dim=1)
     q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q * ew(torch.rsqrt, (q * q).sum(-1, keepdim=True) + 1e-6)
+    k = k * ew(torch.rsqrt, (k * k).sum(-1, keepdim=True) + 1e-6)
     q = q / (head_k**0.5)
     out = torch.empty(n, num_v_heads, v.shape[-1], dtype=torch.float32, device=v.device)
-    decay = g.exp()
+    decay = ew(torch.exp, g)
     for i in range(n):
         state = state * decay[i][:, None, None]
         kv_mem = (state * k[i][:, :, None]).sum(dim=-2)  # (Hv, dv)
@@ -92,7 +112,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                             beta: torch.Tensor, state: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+                             beta: torch.Tensor, state: torch.Tensor, chunk: int = 64, ew=_same
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     """gated_delta_rule, `chunk` tokens at a time in matrix products (the prefill form). Within a chunk, with
     G_t the cumulative log decay from the chunk's start and S0 the state before it, the values the rule
     writes are d = (I + A)^-1 (beta v) - (I + A)^-1 (beta exp(G) k) S0, where A[t, s] = beta_t exp(G_t - G_s)
@@ -126,6 +147,16 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         last = cum[:, -1:]  # (H, 1)
         state = state * last.exp()[:, :, None] + (kc * (last - cum).exp()[:, :, None]).transpose(-1, -2) @ d
     return out.transpose(0, 1), state
+
+
+def _causal_conv(window: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
+    """Depthwise causal conv: out[c, t] = sum_j weight[c, j] * window[c, t + j], for the last n positions of
+    window (conv_dim, K - 1 + n), the taps summed in order j = 0..K-1 (F.conv1d picks its algorithm by length,
+    so a token's result would depend on how long its chunk is; this does not)."""
+    out = window[:, :n] * weight[:, :1]
+    for j in range(1, weight.shape[1]):
+        out = out + window[:, j : j + n] * weight[:, j : j + 1]
+    return out
 
 
 class GatedDeltaNet(nn.Module):
@@ -163,6 +194,7 @@ class GatedDeltaNet(nn.Module):
         conv_pool, delta_pool = meta.linear_states[self.linear_idx]
         core = torch.empty(t, self.num_v_heads, self.head_v, dtype=hidden.dtype, device=hidden.device)
         weight = self.conv1d.weight  # (conv_dim, 1, K)
+        ew = ew_invariant if self.ops.batch_invariant else _same
         neg_a = -self.A_log.float().exp()
         start = 0
         for n, slot, fresh in zip(meta.query_lens_host, meta.state_slots, meta.state_fresh):
@@ -170,47 +202,42 @@ class GatedDeltaNet(nn.Module):
             prev = conv_pool.new_zeros(self.conv_dim, self.kernel - 1) if fresh else conv_pool[slot]
             window = torch.cat([prev, x.to(prev.dtype)], dim=-1)
             conv_pool[slot] = window[:, window.shape[1] - (self.kernel - 1) :]
-            y = F.silu(F.conv1d(window[None].to(weight.dtype), weight, groups=self.conv_dim)[0]).t()  # (n, conv)
+            y = ew(F.silu, _causal_conv(window.to(weight.dtype), weight[:, 0], n)).t()  # (n, conv_dim)
             q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-            beta = b[start : start + n].sigmoid()
-            g = neg_a * F.softplus(a[start : start + n].float() + self.dt_bias)
+            beta = ew(torch.sigmoid, b[start : start + n])
+            g = neg_a * ew(F.softplus, a[start : start + n].float() + self.dt_bias)
             state = delta_pool.new_zeros(delta_pool.shape[1:]) if fresh else delta_pool[slot]
-            rule = gated_delta_rule if n == 1 else gated_delta_rule_chunked  # decode: one step; prefill: chunks
+            # decode: one step; prefill: chunks, unless batch-invariant, where a token's result may not depend on
+            # where the scheduler cut its prompt: the recurrence, token by token, whatever the chunk
+            rule = gated_delta_rule if n == 1 or self.ops.batch_invariant else gated_delta_rule_chunked
             out, state = rule(q.reshape(n, self.num_k_heads, self.head_k),
-                                          k.reshape(n, self.num_k_heads, self.head_k),
-                                          v.reshape(n, self.num_v_heads, self.head_v), g, beta, state)
+                              k.reshape(n, self.num_k_heads, self.head_k),
+                              v.reshape(n, self.num_v_heads, self.head_v), g, beta, state, ew=ew)
             delta_pool[slot] = state
             core[start : start + n] = out.to(hidden.dtype)
             start += n
         # gated RMSNorm per value head: w * norm(x) in the model's dtype, times silu(z) in fp32
         xf = core.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        xf = xf * ew(torch.rsqrt, xf.pow(2).mean(-1, keepdim=True) + self.eps)
         normed = self.norm.weight * xf.to(hidden.dtype)
-        gated = (normed * F.silu(z.reshape(t, self.num_v_heads, self.head_v).float())).to(hidden.dtype)
+        gated = (normed * ew(F.silu, z.reshape(t, self.num_v_heads, self.head_v).float())).to(hidden.dtype)
         return self.ops.linear(gated.reshape(t, self.value_dim), self.out_proj.weight)
 
 
-class HybridDecoderLayer(nn.Module):
+class HybridDecoderLayer(DecoderLayer):
+    """A decoder layer whose token mixer is gated full attention or a Gated DeltaNet, per layer_types."""
+
     def __init__(self, spec: DecoderSpec, cfg: Any, kind: str, index: int, ops: Ops, rotary_dim: int) -> None:
-        super().__init__()
         self.is_attention = kind == "full_attention"
         if self.is_attention:
-            self.self_attn = GatedAttention(spec, index, ops, rotary_dim)
+            super().__init__(spec, index, ops, GatedAttention(spec, index, ops, rotary_dim), "self_attn")
         else:
-            self.linear_attn = GatedDeltaNet(cfg, index, ops)
-        self.mlp = MLP(spec, ops)
-        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, ops)
+            super().__init__(spec, index, ops, GatedDeltaNet(cfg, index, ops), "linear_attn")
 
-    def forward(self, hidden, residual, positions, rope, kv_cache, meta):
-        hidden, residual = self.input_layernorm(hidden, residual) if residual is not None else (
-            self.input_layernorm(hidden)[0], hidden)
+    def mix(self, hidden, positions, rope, kv_cache, meta):
         if self.is_attention:
-            hidden = self.self_attn(hidden, positions, rope, kv_cache, meta)
-        else:
-            hidden = self.linear_attn(hidden, meta)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            return self.self_attn(hidden, positions, rope, kv_cache, meta)
+        return self.linear_attn(hidden, meta)
 
 
 class HybridModel(nn.Module):
