@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from engine.structured_output import StructuredOutputsParams
 
 MAX_N = 1024  # a hard ceiling; servers set their own, lower one (ServeConfig.max_n)
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (SamplingParams.is_greedy)
 
 
 class RequestOutputKind(enum.Enum):
@@ -94,8 +95,8 @@ class SamplingParams:
             raise bad("top_k", "-1 (disabled) or an integer >= 1")
         if not 0.0 <= real("min_p") <= 1.0:
             raise bad("min_p", "in [0, 1]")
-        if real("repetition_penalty") <= 0:
-            raise bad("repetition_penalty", "> 0 (1 disables it)")
+        if not 1e-30 <= real("repetition_penalty") <= 1e30:  # outside, float32 logits meet 0 or inf: 0 * inf = nan
+            raise bad("repetition_penalty", "in [1e-30, 1e30] (1 disables it)")
         if not -2.0 <= real("presence_penalty") <= 2.0:
             raise bad("presence_penalty", "in [-2, 2]")
         if not -2.0 <= real("frequency_penalty") <= 2.0:
@@ -132,7 +133,8 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        # below 1e-5 (vLLM's threshold) sampling is argmax anyway, and logits / T would overflow float32
+        return self.temperature < GREEDY_BELOW
 
     @property
     def stop_strings(self) -> list[str]:

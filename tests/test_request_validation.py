@@ -138,6 +138,8 @@ def test_any_request_is_refused_cleanly_or_runs_beside_a_good_one(llm, kwargs, p
     ("presence_penalty", float("nan")), ("frequency_penalty", float("nan")), ("temperature", "hot"),
     ("max_tokens", 2.5), ("max_tokens", True), ("top_k", 1.5), ("seed", 1.5), ("seed", "42"), ("stop", 5),
     ("stop_token_ids", "12"), ("stop_token_ids", [1.5]), ("logprobs", True), ("ignore_eos", "yes"),
+    # 0 or inf once in float32 (0 * inf = nan in the penalized logits; schemathesis found 5e-324 with a grammar)
+    ("repetition_penalty", 5e-324), ("repetition_penalty", 1e300),
 ])
 def test_wrong_types_and_non_finite_values_are_value_errors_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -149,3 +151,12 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(llm):
         llm.engine.add_request("x", [5, 6], SamplingParams(stop_token_ids=[VOCAB + 7], min_tokens=2))
     assert not llm.engine.has_request("x")
     _assert_all_free(llm)
+
+
+def test_temperatures_too_small_for_float32_logits_sample_greedily(llm):
+    """logits / 5e-324 is inf or nan in float32: such temperatures are greedy (vLLM's 1e-5 threshold), and a
+    grammar-constrained request with one still only samples what its grammar allows."""
+    params = SamplingParams(temperature=5e-324, max_tokens=8, structured_outputs={"json_object": True})
+    assert params.is_greedy and SamplingParams(temperature=1e-5).is_greedy is False
+    out = llm.generate([[5, 6, 7, 8]], params)[0]
+    assert out.outputs[0].finish_reason in ("stop", "length")

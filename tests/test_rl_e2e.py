@@ -25,7 +25,9 @@ PROMPT = list(range(100, 140))
 
 @pytest.fixture(scope="module")
 def policies(make_tiny_model):
-    old, new = make_tiny_model("llama"), make_tiny_model("llama", initializer_range=0.3)
+    # 2048 positions: long enough streams that a weight update lands while they run (test_each_pause_mode...)
+    old = make_tiny_model("llama", max_position_embeddings=2048)
+    new = make_tiny_model("llama", initializer_range=0.3, max_position_embeddings=2048)
     return {"old": old, "new": new, "want_old": hf_greedy(old, [PROMPT], 8)[0], "want_new": hf_greedy(new, [PROMPT], 8)[0]}
 
 
@@ -240,9 +242,12 @@ def _kv_in_use(base: str) -> list[float]:
             if line.startswith("kvscale:kv_cache_usage_perc{") and "replica=" in line]
 
 
+LONG = 1300  # tokens per stream: 3 x (40 + 1300) fit one replica's 4096-token pool, so nothing is preempted
+
+
 @pytest.mark.parametrize("mode", ["abort", "wait", "keep"])
 def test_each_pause_mode_under_concurrent_streams(server, policies, mode):
-    """update_weights while 4 streams run on the two replicas: abort ends them with finish_reason abort; wait
+    """update_weights while 3 streams run on the two replicas: abort ends them with finish_reason abort; wait
     lets them finish on the old version before the update lands; keep freezes them and finishes them on the new
     weights, their model_version the list of both. Every replica's KV is back to empty after."""
     import threading
@@ -252,22 +257,23 @@ def test_each_pause_mode_under_concurrent_streams(server, policies, mode):
     old_version = rl.version(app_name=APP)["version"]
     target = "old" if mode != "wait" else "new"
     new_version = f"{mode}-{target}"
-    started, outs = threading.Semaphore(0), [{} for _ in range(4)]
-    threads = [threading.Thread(target=_stream, args=(server, policies["old"], 460, started, o)) for o in outs]
+    weights = _weights(policies[target])  # read before the streams start: the update follows their first token
+    started, outs = threading.Semaphore(0), [{} for _ in range(3)]
+    threads = [threading.Thread(target=_stream, args=(server, policies["old"], LONG, started, o)) for o in outs]
     for t in threads:
         t.start()
     for _ in threads:  # every stream has its first token: all four are in flight
         assert started.acquire(timeout=120)
-    rl.update_weights(_weights(policies[target]), version=new_version, app_name=APP, pause=mode)
+    rl.update_weights(weights, version=new_version, app_name=APP, pause=mode)
     for t in threads:
         t.join(timeout=300)
     for o in outs:
         if mode == "abort":
-            assert o["finish"] == "abort" and o["tokens"] < 460, o
+            assert o["finish"] == "abort" and o["tokens"] < LONG, o
         elif mode == "wait":
-            assert o["finish"] == "length" and o["tokens"] == 460 and o["version"] == old_version, o
+            assert o["finish"] == "length" and o["tokens"] == LONG and o["version"] == old_version, o
         else:
-            assert o["finish"] == "length" and o["tokens"] == 460 and o["version"] == [old_version, new_version], o
+            assert o["finish"] == "length" and o["tokens"] == LONG and o["version"] == [old_version, new_version], o
     body = _greedy(server, policies["old"])
     assert body["model_version"] == new_version
     assert body["choices"][0]["token_ids"] == policies[f"want_{target}"]
