@@ -187,6 +187,42 @@ class GatedDeltaNet(nn.Module):
         """Per sequence: the conv state (conv_dim, K - 1) and the delta state (Hv, dk, dv)."""
         return (self.conv_dim, self.kernel - 1), (self.num_v_heads, self.head_k, self.head_v)
 
+    def _decode_rows(self, rows: list[int], starts: list[int], mixed, b, a, conv_pool, delta_pool, core,
+                     meta: AttentionMetadata, neg_a: torch.Tensor) -> None:
+        """One token each for several sequences, at once: their states gathered from the pool by slot, one conv
+        step and one delta-rule step over the batch, the states scattered back (the same arithmetic as the
+        per-sequence path: tested against HF through it)."""
+        dev = mixed.device
+        tok = torch.tensor([starts[i] for i in rows], device=dev)
+        slots = torch.tensor([meta.state_slots[i] for i in rows], device=dev)
+        fresh = torch.tensor([meta.state_fresh[i] for i in rows], device=dev)
+        window = torch.cat([conv_pool[slots], mixed[tok][:, :, None].to(conv_pool.dtype)], dim=-1)  # (B, C, K)
+        window[fresh, :, :-1] = 0  # a one-token prompt starts from zeros
+        conv_pool[slots] = window[:, :, 1:]
+        weight = self.conv1d.weight[:, 0]  # (C, K)
+        y = window.to(weight.dtype)[:, :, 0] * weight[:, 0]
+        for j in range(1, self.kernel):  # the taps in order, as _causal_conv sums them
+            y = y + window.to(weight.dtype)[:, :, j] * weight[:, j]
+        y = F.silu(y)
+        q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        nb = len(rows)
+        q, k = q.reshape(nb, self.num_k_heads, self.head_k).float(), k.reshape(nb, self.num_k_heads, self.head_k).float()
+        v = v.reshape(nb, self.num_v_heads, self.head_v).float()
+        if self.num_k_heads != self.num_v_heads:
+            q = q.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
+            k = k.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / (self.head_k**0.5)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        beta = torch.sigmoid(b[tok]).float()  # (B, Hv)
+        g = neg_a * F.softplus(a[tok].float() + self.dt_bias)
+        state = delta_pool[slots]  # (B, Hv, dk, dv)
+        state[fresh] = 0
+        state = state * g.exp()[:, :, None, None]
+        delta = (v - (state * k[:, :, :, None]).sum(dim=-2)) * beta[:, :, None]
+        state = state + k[:, :, :, None] * delta[:, :, None, :]
+        delta_pool[slots] = state
+        core[tok] = (state * q[:, :, :, None]).sum(dim=-2).to(core.dtype)
+
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = hidden.shape[0]
         proj = self.ops.linear(hidden, self.in_proj.weight)
@@ -196,8 +232,16 @@ class GatedDeltaNet(nn.Module):
         weight = self.conv1d.weight  # (conv_dim, 1, K)
         ew = ew_invariant if self.ops.batch_invariant else _same
         neg_a = -self.A_log.float().exp()
-        start = 0
-        for n, slot, fresh in zip(meta.query_lens_host, meta.state_slots, meta.state_fresh):
+        starts = [0]
+        for n in meta.query_lens_host:
+            starts.append(starts[-1] + n)
+        batched = [] if self.ops.batch_invariant else [i for i, n in enumerate(meta.query_lens_host) if n == 1]
+        if batched:  # every one-token row (decode) in one batched step: no Python loop over sequences
+            self._decode_rows(batched, starts, mixed, b, a, conv_pool, delta_pool, core, meta, neg_a)
+        for i, (n, slot, fresh) in enumerate(zip(meta.query_lens_host, meta.state_slots, meta.state_fresh)):
+            if batched and n == 1:
+                continue
+            start = starts[i]
             x = mixed[start : start + n].t()  # (conv_dim, n)
             prev = conv_pool.new_zeros(self.conv_dim, self.kernel - 1) if fresh else conv_pool[slot]
             window = torch.cat([prev, x.to(prev.dtype)], dim=-1)
@@ -215,7 +259,6 @@ class GatedDeltaNet(nn.Module):
                               v.reshape(n, self.num_v_heads, self.head_v), g, beta, state, ew=ew)
             delta_pool[slot] = state
             core[start : start + n] = out.to(hidden.dtype)
-            start += n
         # gated RMSNorm per value head: w * norm(x) in the model's dtype, times silu(z) in fp32
         xf = core.float()
         xf = xf * ew(torch.rsqrt, xf.pow(2).mean(-1, keepdim=True) + self.eps)
