@@ -207,3 +207,13 @@ def test_chunked_delta_rule_equals_the_recurrence(n, k_heads, v_heads, dk, dv):
     got_out, got_state = gated_delta_rule_chunked(q, k, v, g, beta, state.clone())
     torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(got_state, want_state, atol=1e-5, rtol=1e-5)
+
+
+def test_hybrid_fp8_kv_calibrates_its_attention_layers(hybrid):
+    """fp8 KV on a hybrid: the full-attention layers set their K/V scales from the calibration text at start-up
+    (they share Attention's write path; a copy of it had left them at 1.0, clipping K/V at fp8's range)."""
+    path, _ = hybrid("lin-lin-full-lin")
+    llm = LLM(model=path, dtype="float32", device="cpu", show_progress=False, num_kv_blocks=64,
+              kv_cache_dtype="fp8_e4m3")
+    layers = llm.engine.runner.attention_layers()
+    assert layers and all(layer.k_scale != 1.0 and layer.v_scale != 1.0 for layer in layers)

@@ -100,14 +100,20 @@ class Attention(nn.Module):
             q, _ = self.q_norm(q)
             k, _ = self.k_norm(k)
         q, k = self.ops.rotary(q, k, positions, *rope)
+        out = self.attend(q, k, v, kv_cache, meta)
+        return self.ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache, meta: AttentionMetadata
+               ) -> torch.Tensor:
+        """This step's K/V into the layer's pages (fp8: setting the scales first when calibrating), then q
+        against the pages of its KV group. q (T, H, D), k and v (T, Hkv, D); returns (T, H, D)."""
         k_cache, v_cache = kv_cache
         meta = meta.for_group(self.kv_group)
         if self.calibrate_kv:
             self.k_scale, self.v_scale = kv_scale(k, k_cache.dtype), kv_scale(v, v_cache.dtype)
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        out = self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.k_scale,
-                                       self.v_scale, k, v)
-        return self.ops.linear(out.reshape(num_tokens, self.q_size), self.o_proj.weight)
+        return self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.k_scale,
+                                        self.v_scale, k, v)
 
 
 class MLP(nn.Module):

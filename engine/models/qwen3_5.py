@@ -57,11 +57,7 @@ class GatedAttention(Attention):
         q_rot, k_rot = self.ops.rotary(q[..., :r], k[..., :r], positions, *rope)
         q = torch.cat([q_rot, q[..., r:]], dim=-1) if r < self.head_dim else q_rot
         k = torch.cat([k_rot, k[..., r:]], dim=-1) if r < self.head_dim else k_rot
-        k_cache, v_cache = kv_cache
-        meta = meta.for_group(self.kv_group)
-        self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        out = self.ops.paged_attention(q.contiguous(), k_cache, v_cache, meta, self.scale, self.sliding_window,
-                                       self.k_scale, self.v_scale, k, v)
+        out = self.attend(q.contiguous(), k, v, kv_cache, meta)
         sigmoid = torch.sigmoid(gate) if not self.ops.batch_invariant else ew_invariant(torch.sigmoid, gate)
         out = out.reshape(t, self.q_size) * sigmoid
         return self.ops.linear(out, self.o_proj.weight)
