@@ -78,7 +78,7 @@ class ModelRunner:
             layer.kv_group = self.kv_groups.layer_group[layer.layer_idx]
 
         # hybrid models (linear-attention layers): a recurrent state per running sequence, in a pool of slots
-        self.state_bytes_per_seq = model.state_bytes_per_seq(self.dtype) if hasattr(model, "new_state_pool") else 0
+        self.state_bytes_per_seq = model.state_bytes_per_seq() if hasattr(model, "new_state_pool") else 0
         self.num_state_slots = config.max_num_seqs if self.state_bytes_per_seq else 0
         self.state_pool = self._new_state_pool()
 
@@ -106,7 +106,7 @@ class ModelRunner:
                         self.state_bytes_per_seq * self.num_state_slots / 2**20)
 
     def _new_state_pool(self) -> list:
-        return (self.model.new_state_pool(self.num_state_slots, self.dtype, self.device) if self.num_state_slots
+        return (self.model.new_state_pool(self.num_state_slots, self.device) if self.num_state_slots
                 else [])
 
     # ---- weights and memory, for RL rollouts (LLMEngine.update_weights / sleep / wake_up) ----

@@ -116,7 +116,7 @@ def test_engine_accounting_on_the_seeds_example():
     assert kv_per_token == 2 * 16 * 4 * 256 * 2 == 64 * 1024
     assert groups.block_bytes(16, model.spec.num_kv_heads, model.spec.head_dim, bf16) == 16 * 64 * 1024
     assert groups.num_groups == 1 and groups.group_size == 16  # the 48 linear layers keep no KV
-    state = model.state_bytes_per_seq(torch.bfloat16)
+    state = model.state_bytes_per_seq()
     assert state == 48 * _linear_state_bytes(cfg.to_dict())
     assert state == 48 * 4 * (48 * 128 * 128 + 3 * (2 * 16 * 128 + 48 * 128))
 

@@ -82,28 +82,42 @@ def _same(fn, x: torch.Tensor) -> torch.Tensor:
     return fn(x)
 
 
+def _queries_keys(q: torch.Tensor, k: torch.Tensor, num_v_heads: int, ew=_same) -> tuple[torch.Tensor, torch.Tensor]:
+    """q, k (..., Hk, dk) as the rule reads them: float32, each key head repeated for the Hv / Hk consecutive
+    value heads it serves, L2-normalized, and q scaled by 1 / sqrt(dk)."""
+    num_k_heads, head_k = k.shape[-2:]
+    if num_k_heads != num_v_heads:
+        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=-2)
+        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=-2)
+    q, k = q.float(), k.float()
+    q = q * ew(torch.rsqrt, (q * q).sum(-1, keepdim=True) + 1e-6) / (head_k**0.5)
+    k = k * ew(torch.rsqrt, (k * k).sum(-1, keepdim=True) + 1e-6)
+    return q, k
+
+
+def _delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the rule, over any leading batch dims: state (..., Hv, dk, dv); q, k (..., Hv, dk) from
+    _queries_keys; v (..., Hv, dv); decay = exp(g) and beta (..., Hv). Returns the new state and the output
+    (..., Hv, dv)."""
+    state = state * decay[..., None, None]
+    delta = (v - (state * k[..., None]).sum(dim=-2)) * beta[..., None]
+    state = state + k[..., None] * delta[..., None, :]
+    return state, (state * q[..., None]).sum(dim=-2)
+
+
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor, ew=_same) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's tokens through the gated delta rule, in order, from `state`. q, k (n, Hk, dk); v (n, Hv,
     dv); g, beta (n, Hv); state (Hv, dk, dv) float32. Returns the outputs (n, Hv, dv) float32 and the new
     state. Each query/key head serves Hv / Hk consecutive value heads."""
-    n, num_k_heads, head_k = k.shape
-    num_v_heads = v.shape[1]
-    if num_k_heads != num_v_heads:
-        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=1)
-        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=1)
-    q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
-    q = q * ew(torch.rsqrt, (q * q).sum(-1, keepdim=True) + 1e-6)
-    k = k * ew(torch.rsqrt, (k * k).sum(-1, keepdim=True) + 1e-6)
-    q = q / (head_k**0.5)
-    out = torch.empty(n, num_v_heads, v.shape[-1], dtype=torch.float32, device=v.device)
-    decay = ew(torch.exp, g)
+    n, num_v_heads, head_v = v.shape
+    q, k = _queries_keys(q, k, num_v_heads, ew)
+    v, beta = v.float(), beta.float()
+    decay = ew(torch.exp, g.float())
+    out = torch.empty(n, num_v_heads, head_v, dtype=torch.float32, device=v.device)
     for i in range(n):
-        state = state * decay[i][:, None, None]
-        kv_mem = (state * k[i][:, :, None]).sum(dim=-2)  # (Hv, dv)
-        delta = (v[i] - kv_mem) * beta[i][:, None]
-        state = state + k[i][:, :, None] * delta[:, None, :]
-        out[i] = (state * q[i][:, :, None]).sum(dim=-2)
+        state, out[i] = _delta_step(state, q[i], k[i], v[i], decay[i], beta[i])
     return out, state
 
 
@@ -116,16 +130,11 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     k_t.k_s for s < t (one unit lower-triangular solve); then o_t = exp(G_t) S0^T q_t + sum_{s<=t}
     exp(G_t - G_s) (q_t.k_s) d_s, and the state leaves as exp(G_C) S0 + sum_s exp(G_C - G_s) k_s d_s^T.
     Same arguments and results as gated_delta_rule, equal to rounding (tested)."""
-    n, num_k_heads, head_k = k.shape
-    num_v_heads = v.shape[1]
-    if num_k_heads != num_v_heads:
-        q = q.repeat_interleave(num_v_heads // num_k_heads, dim=1)
-        k = k.repeat_interleave(num_v_heads // num_k_heads, dim=1)
+    n = v.shape[0]
+    q, k = _queries_keys(q, k, v.shape[1], ew)
     # heads first: (H, n, d)
-    q, k, v = (x.float().transpose(0, 1) for x in (q, k, v))
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v.float()))
     g, beta = g.float().t(), beta.float().t()  # (H, n)
-    q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / (head_k**0.5)
-    k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
     out = torch.empty_like(v)
     for c0 in range(0, n, chunk):
         c1 = min(n, c0 + chunk)
@@ -147,11 +156,11 @@ def gated_delta_rule_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
 
 def _causal_conv(window: torch.Tensor, weight: torch.Tensor, n: int) -> torch.Tensor:
     """Depthwise causal conv: out[c, t] = sum_j weight[c, j] * window[c, t + j], for the last n positions of
-    window (conv_dim, K - 1 + n), the taps summed in order j = 0..K-1 (F.conv1d picks its algorithm by length,
+    window (..., conv_dim, K - 1 + n), the taps summed in order j = 0..K-1 (F.conv1d picks its algorithm by length,
     so a token's result would depend on how long its chunk is; this does not)."""
-    out = window[:, :n] * weight[:, :1]
+    out = window[..., :n] * weight[:, :1]
     for j in range(1, weight.shape[1]):
-        out = out + window[:, j : j + n] * weight[:, j : j + 1]
+        out = out + window[..., j : j + n] * weight[:, j : j + 1]
     return out
 
 
@@ -196,28 +205,18 @@ class GatedDeltaNet(nn.Module):
         window[fresh, :, :-1] = 0  # a one-token prompt starts from zeros
         conv_pool[slots] = window[:, :, 1:]
         weight = self.conv1d.weight[:, 0]  # (C, K)
-        y = window.to(weight.dtype)[:, :, 0] * weight[:, 0]
-        for j in range(1, self.kernel):  # the taps in order, as _causal_conv sums them
-            y = y + window.to(weight.dtype)[:, :, j] * weight[:, j]
-        y = F.silu(y)
+        y = F.silu(_causal_conv(window.to(weight.dtype), weight, 1)[..., 0])  # (B, C)
         q, k, v = y.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         nb = len(rows)
-        q, k = q.reshape(nb, self.num_k_heads, self.head_k).float(), k.reshape(nb, self.num_k_heads, self.head_k).float()
-        v = v.reshape(nb, self.num_v_heads, self.head_v).float()
-        if self.num_k_heads != self.num_v_heads:
-            q = q.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
-            k = k.repeat_interleave(self.num_v_heads // self.num_k_heads, dim=1)
-        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6) / (self.head_k**0.5)
-        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+        q, k = _queries_keys(q.reshape(nb, self.num_k_heads, self.head_k), k.reshape(nb, self.num_k_heads, self.head_k),
+                             self.num_v_heads)
         beta = torch.sigmoid(b[tok]).float()  # (B, Hv)
         g = neg_a * F.softplus(a[tok].float() + self.dt_bias)
         state = delta_pool[slots]  # (B, Hv, dk, dv)
         state[fresh] = 0
-        state = state * g.exp()[:, :, None, None]
-        delta = (v - (state * k[:, :, :, None]).sum(dim=-2)) * beta[:, :, None]
-        state = state + k[:, :, :, None] * delta[:, :, None, :]
+        state, out = _delta_step(state, q, k, v.reshape(nb, self.num_v_heads, self.head_v).float(), g.exp(), beta)
         delta_pool[slots] = state
-        core[tok] = (state * q[:, :, :, None]).sum(dim=-2).to(core.dtype)
+        core[tok] = out.to(core.dtype)
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         t = hidden.shape[0]
@@ -325,7 +324,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
     def linear_layers(self) -> list[GatedDeltaNet]:
         return [layer.linear_attn for layer in self.model.layers if not layer.is_attention]
 
-    def state_bytes_per_seq(self, dtype: torch.dtype) -> int:
+    def state_bytes_per_seq(self) -> int:
         """Bytes of recurrent state one sequence holds over all linear layers, whatever the model's dtype: both
         states are kept in fp32 (the conv state holds the model dtype's values exactly; the delta state is
         accumulated in fp32, as HF's reference does). engine.capacity counts the same."""
@@ -335,7 +334,7 @@ class Qwen3_5ForCausalLM(DecoderForCausalLM):
             total += 4 * (conv[0] * conv[1] + delta[0] * delta[1] * delta[2])
         return total
 
-    def new_state_pool(self, num_slots: int, dtype: torch.dtype, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
+    def new_state_pool(self, num_slots: int, device: torch.device) -> list[tuple[torch.Tensor, ...]]:
         """Per linear layer: (conv states (slots, conv_dim, K - 1), delta states (slots, Hv, dk, dv)), fp32."""
         return [tuple(torch.zeros((num_slots, *shape), dtype=torch.float32, device=device)
                       for shape in layer.state_shapes()) for layer in self.linear_layers()]
