@@ -106,6 +106,7 @@ def main() -> None:
     import ray
     from ray import serve
 
+    from bench.serve import wait_up
     from engine.default_model import default_model_dir
     from serve_app import build_app, rl
 
@@ -115,7 +116,7 @@ def main() -> None:
     serve.run(build_app({"model": "default", "num_replicas": 2, "torch_threads": 1, "max_num_seqs": 64}), name=APP,
               route_prefix="/", blocking=False)
     base = f"http://127.0.0.1:{args.port}"
-    _wait_ready(base)
+    wait_up(base, timeout=600)
     trainer = trainer_class().remote(default_model_dir(), base, args.lr)
     print(f"app and trainer up in {time.monotonic() - t0:.0f} s; {args.prompts} prompts x {args.group} samples x "
           f"{args.max_tokens} tokens per step\n")
@@ -134,20 +135,6 @@ def main() -> None:
     rl.reset(app_name=APP)
     serve.shutdown()
     ray.shutdown()
-
-
-def _wait_ready(base: str, timeout: float = 600) -> None:
-    import httpx
-
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"the app did not come up within {timeout:.0f} s")
 
 
 if __name__ == "__main__":

@@ -144,10 +144,12 @@ def machine_ceilings() -> str:
             f"bf16 matmul {flops:.0f} GFLOP/s at the default model's MLP shape (256x576x1536)")
 
 
-def wait_up(url: str, proc, timeout: float = 300) -> None:
+def wait_up(url: str, proc=None, timeout: float = 300) -> None:
+    """Until url/health answers 200; exits the benchmark if `proc` (the server, when we started it) dies first
+    or the timeout passes."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             sys.exit(f"server for {url} exited early with code {proc.returncode}")
         try:
             if httpx.get(f"{url}/health", timeout=2).status_code == 200:

@@ -33,7 +33,7 @@ from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 from engine.config import EngineConfig
-from engine.llm_engine import EngineStats, LLMEngine
+from engine.llm_engine import EngineStats, LLMEngine, check_sleep_level
 from engine.outputs import RequestOutput, merge_delta
 from engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -138,7 +138,7 @@ class AsyncLLM:
                        partial: bool = False) -> concurrent.futures.Future:
         """New weights between steps; see LLMEngine.update_weights. The payload is checked in full before any
         request is paused: a bad one fails the future with ValueError and changes nothing."""
-        _check_mode(pause)
+        check_pause_mode(pause)
         if not isinstance(weights, (str, Mapping)):
             weights = list(weights)  # checked, then loaded: two passes
         return self._control("update", weights, version, pause, partial)
@@ -150,15 +150,14 @@ class AsyncLLM:
     def pause(self, mode: str = "abort") -> concurrent.futures.Future:
         """Stop taking requests: abort the live ones, let them finish first (the future resolves once they
         have), or keep them frozen with their KV until resume()."""
-        _check_mode(mode)
+        check_pause_mode(mode)
         return self._control("pause", mode)
 
     def resume(self) -> concurrent.futures.Future:
         return self._control("resume")
 
     def sleep(self, level: int = 1) -> concurrent.futures.Future:
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 (free the KV pool) or 2 (the KV pool and the weights); got {level}")
+        check_sleep_level(level)  # in the caller's thread, before anything is queued
         return self._control("sleep", level)
 
     def wake_up(self, weights: Mapping[str, Any] | str | None = None, version: Any = None) -> concurrent.futures.Future:
@@ -336,6 +335,7 @@ class AsyncLLM:
             future.set_exception(RuntimeError(error))
 
 
-def _check_mode(mode: str) -> None:
+def check_pause_mode(mode: str) -> None:
+    """ValueError unless mode is one of PAUSE_MODES (AsyncLLM, and serve_app.rl before it asks any replica)."""
     if mode not in PAUSE_MODES:
         raise ValueError(f"pause must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")

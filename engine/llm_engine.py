@@ -357,8 +357,7 @@ class LLMEngine:
     def sleep(self, level: int) -> None:
         """Free the KV pool (level 1) and the weights too (level 2), keeping the engine's state to wake up.
         Only while no request is live."""
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 (free the KV pool) or 2 (the KV pool and the weights); got {level}")
+        check_sleep_level(level)
         if self.has_unfinished_requests():
             raise RuntimeError("cannot sleep with requests live; abort or finish them first")
         self.block_manager.reset_prefix_cache()  # its blocks' contents go with the pool
@@ -406,6 +405,11 @@ class LLMEngine:
 
 
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def check_sleep_level(level: int) -> None:
+    if level not in (1, 2):
+        raise ValueError(f"sleep level must be 1 (free the KV pool) or 2 (the KV pool and the weights); got {level}")
 
 
 def _weight_items(weights: Mapping[str, Any] | Iterable[tuple[str, Any]] | str) -> Iterable[tuple[str, Any]]:

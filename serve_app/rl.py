@@ -26,7 +26,8 @@ from typing import Any
 
 import ray
 
-from engine.async_llm import PAUSE_MODES
+from engine.async_llm import check_pause_mode
+from engine.llm_engine import check_sleep_level
 from serve_app.metrics import BOARD_NAMESPACE, board_name
 
 logger = logging.getLogger(__name__)
@@ -91,8 +92,7 @@ def update_weights(weights: Mapping[str, Any] | str, *, version: Any, app_name: 
     are held) or "keep" (frozen, then go on with the new weights, their KV recomputed). partial: only some
     parameters (otherwise every one must be given). Returns {"version", "replicas", "seconds", "bytes"}: bytes
     of tensors pushed (0 for a path) and the seconds from the call until every replica serves the version."""
-    if pause not in PAUSE_MODES:
-        raise ValueError(f"pause must be one of {', '.join(PAUSE_MODES)}; got {pause!r}")
+    check_pause_mode(pause)
     if not isinstance(weights, (str, Mapping)):
         raise TypeError(f"weights must be a dict of name -> tensor or a safetensors path; got {type(weights).__name__}")
     start = time.monotonic()
@@ -122,8 +122,7 @@ def update_weights(weights: Mapping[str, Any] | str, *, version: Any, app_name: 
 def pause(mode: str = "abort", *, app_name: str = "kvscale", timeout_s: float = 600.0) -> None:
     """Every replica stops taking requests (new ones get 503 with Retry-After): "abort" ends the in-flight
     ones, "wait" lets them finish (returns once they have), "keep" freezes them, KV kept, until resume()."""
-    if mode not in PAUSE_MODES:
-        raise ValueError(f"pause must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+    check_pause_mode(mode)
     ray.get(_store(app_name, create=True).set_pause.remote(mode))
     _wait(app_name, lambda p: p["paused"] == mode and (mode != "wait" or p["running"] == 0), timeout_s,
           f"pause({mode!r})")
@@ -137,8 +136,7 @@ def resume(*, app_name: str = "kvscale", timeout_s: float = 600.0) -> None:
 def sleep(level: int = 1, *, app_name: str = "kvscale", timeout_s: float = 600.0) -> None:
     """Every replica frees its KV pool (level 1) or its KV pool and weights (level 2); in-flight requests are
     aborted and new ones get 503 until wake_up()."""
-    if level not in (1, 2):
-        raise ValueError(f"sleep level must be 1 (free the KV pool) or 2 (the KV pool and the weights); got {level}")
+    check_sleep_level(level)
     ray.get(_store(app_name, create=True).set_sleep.remote(level))
     _wait(app_name, lambda p: p["sleep_level"] == level, timeout_s, f"sleep({level})")
 
