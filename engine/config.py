@@ -43,6 +43,7 @@ class EngineConfig:
     # benchmarks only (bench/stream_capacity.py): each step sleeps this long instead of running the model and
     # samples a fixed token, so the scheduler, block manager, detokenizer and serving path carry a known load
     fake_step_s: float | None = None
+    fake_step_s_per_token: float = 0.0  # ... plus this per token computed, so a fake step's cost grows with load
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -65,6 +66,8 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be >= 2 or None; got {self.max_model_len}")
         if self.fake_step_s is not None and self.fake_step_s < 0:
             raise ValueError(f"fake_step_s must be >= 0 or None; got {self.fake_step_s}")
+        if self.fake_step_s_per_token < 0:
+            raise ValueError(f"fake_step_s_per_token must be >= 0; got {self.fake_step_s_per_token}")
         if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
             raise ValueError(f"kv_cache_bytes must be positive or None; got {self.kv_cache_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -19,6 +19,7 @@ from engine.config import EngineConfig
 from engine.loader import load_hf_config, load_tokenizer, resolve_model_path
 from engine.output_processor import OutputProcessor, RequestState
 from engine.outputs import RequestOutput
+from engine.perf_model import StepTimeModel
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
@@ -60,6 +61,14 @@ class EngineStats:
     iteration_tokens_counts: tuple[int, ...] = ()
     iteration_tokens_sums: tuple[int, ...] = ()
     is_healthy: bool = True
+    # arrivals (Scheduler.add) and the running batch's context: what the autoscaler forecasts and sizes from
+    num_added_total: int = 0
+    num_added_prompt_tokens_total: int = 0
+    num_running_tokens: int = 0  # tokens of the running sequences (the KV a decode step reads)
+    num_prefill_backlog_tokens: int = 0  # prompt tokens of live sequences not computed yet (queued prefill)
+    max_num_batched_tokens: int = 0  # the scheduler's token budget per step (what caps a step's time)
+    # the replica's measured compute (engine.perf_model.StepTimeModel): step s ~= c0 + c1 tokens + c2 KV tokens
+    step_model: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
     @classmethod
     def from_scheduler(cls, sch: Scheduler, **engine_counts: float) -> EngineStats:
@@ -74,7 +83,11 @@ class EngineStats:
             prefix_cache_queried_tokens=bm.num_prefix_queried_tokens, prefix_cache_hit_tokens=bm.num_prefix_hit_tokens,
             kv_demand_blocks=sch.projected_demand_blocks(), num_state_slots=bm.num_state_slots,
             num_free_state_slots=len(bm.free_state_slots), state_blocks_per_seq=bm.state_blocks_per_seq,
-            **engine_counts,
+            num_added_total=sch.num_added_total, num_added_prompt_tokens_total=sch.num_added_prompt_tokens_total,
+            num_running_tokens=sum(s.num_tokens for s in sch.running),
+            num_prefill_backlog_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
+                                           for s in sch.live_sequences()),
+            max_num_batched_tokens=sch.max_num_batched_tokens, **engine_counts,
         )
 
     @property
@@ -158,6 +171,7 @@ class LLMEngine:
         self.num_steps_total = 0
         self.step_seconds_total = 0.0
         self.last_step_seconds = 0.0
+        self.step_model = StepTimeModel()  # this replica's compute, learned from its own steps
         self.last_step_num_tokens = 0
         self.iteration_tokens_counts = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
         self.iteration_tokens_sums = [0] * (len(ITERATION_TOKENS_BUCKETS) + 1)
@@ -291,6 +305,7 @@ class LLMEngine:
                 self._forget(seq.seq_id)
         self.num_steps_total += 1
         self.last_step_seconds = time.perf_counter() - start
+        self.step_model.observe(batch.num_tokens, batch.num_kv_tokens_read, self.last_step_seconds)
         self.step_seconds_total += self.last_step_seconds
         self.last_step_num_tokens = batch.num_tokens
         bucket = bisect.bisect_left(ITERATION_TOKENS_BUCKETS, batch.num_tokens)
@@ -401,7 +416,7 @@ class LLMEngine:
             num_steps_total=self.num_steps_total, step_seconds_total=self.step_seconds_total,
             last_step_seconds=self.last_step_seconds, last_step_num_tokens=self.last_step_num_tokens,
             iteration_tokens_counts=tuple(self.iteration_tokens_counts),
-            iteration_tokens_sums=tuple(self.iteration_tokens_sums))
+            iteration_tokens_sums=tuple(self.iteration_tokens_sums), step_model=self.step_model.coefficients())
 
 
 GENERATION_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")

@@ -311,7 +311,7 @@ class ModelRunner:
         """Run one step. Returns what the rows of batch.sample_rows() sampled, in that order (None: none did)."""
         input_ids, positions, meta, sample_rows, logits_idx = self.prepare(batch)
         if self.config.fake_step_s is not None:  # benchmarks of the serving path: a step of known cost
-            time.sleep(self.config.fake_step_s)
+            time.sleep(self.config.fake_step_s + self.config.fake_step_s_per_token * batch.num_tokens)
             return SamplerOutput([self.fake_token] * len(sample_rows), None) if sample_rows else None
         if self.graphs is not None and self.graphs.can_run(meta):
             hidden = self.graphs.run(input_ids, positions, meta)

@@ -48,6 +48,11 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    @property
+    def num_kv_tokens_read(self) -> int:
+        """KV tokens attention reads this step: each sequence's context up to its last new token."""
+        return sum(s.num_computed_tokens + n for s, n in zip(self.seqs, self.num_new_tokens))
+
     def will_sample(self, i: int) -> bool:
         """After this step sequence i has computed all its tokens, so its last logits give a new token."""
         seq = self.seqs[i]
@@ -71,12 +76,16 @@ class Scheduler:
         self.num_preemptions_total = 0
         self.num_waiting_for_kv = 0  # waiting sequences the last step left out for lack of KV blocks
         self.num_generation_tokens_total = 0
+        self.num_added_total = 0  # sequences that arrived (add), and their prompt tokens: the arrival rates
+        self.num_added_prompt_tokens_total = 0  # the autoscaler forecasts from
         self.recent_output_lens: deque[int] = deque(maxlen=RECENT_OUTPUT_LENS)  # of sequences that ended
 
     # ---- queue ----
     def add(self, seq: Sequence) -> None:
         seq.status = SequenceStatus.WAITING
         self.waiting.append(seq)
+        self.num_added_total += 1
+        self.num_added_prompt_tokens_total += seq.num_prompt_tokens
 
     @property
     def num_running(self) -> int:

@@ -89,6 +89,18 @@ def test_siblings_share_prompt_blocks_after_leader_prefill():
     bm.check_invariants(sch.live_sequences())
 
 
+def test_projected_demand_counts_a_shared_prompt_block_once():
+    """Three samples of one 10-token prompt share its 2 full blocks: the pool holds them once, and so does the
+    demand the autoscaler and router read (2 shared + 3 x (3 - 2) of their own at the end: 10 + 4 tokens)."""
+    bm, sch = make(num_blocks=16, block_size=4, budget=64)
+    for s in new_seq("r", 10, n=3):
+        sch.add(s)
+    run_step(sch)
+    run_step(sch)
+    assert bm.num_used_blocks == 2 + 3  # the shared prompt blocks, and each sample's own third block
+    assert sch.projected_demand_blocks() == 2 + 3 * (4 - 2)
+
+
 def test_abort_frees_at_once_from_either_queue():
     bm, sch = make(num_blocks=4, block_size=4, budget=64)
     (a,) = new_seq("a", 8)
