@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.config import EngineConfig
+from serve_app.autoscaling import SLO, default_slo
 
 
 ENGINE_FIELDS = frozenset(f.name for f in dataclasses.fields(EngineConfig))
@@ -56,8 +57,22 @@ class ServeConfig(BaseModel):
     max_replicas: int = Field(4, description="Autoscaling upper bound.")
     kv_target_utilization: float = Field(0.75, gt=0.0, le=1.0, description="Autoscaling aims for projected KV "
                                                                             "demand at this fraction of capacity.")
-    downscale_quiet_s: float = Field(30.0, ge=0.0, description="Scale down only after this long without KV "
-                                                               "pressure (waiting requests, preemptions).")
+    downscale_quiet_s: float = Field(30.0, ge=0.0, description="Scale down only after this long without "
+                                                               "pressure (requests waiting for KV, preemptions, "
+                                                               "observed latency over the SLO).")
+    downscale_window_s: float = Field(900.0, ge=0.0, description="Never scale below the most replicas any resource "
+                                                                 "needed over this long (and hold the fleet this long "
+                                                                 "after start): bursts that recur within it find "
+                                                                 "their replicas up.")
+    ttft_slo_s: float | None = Field(None, gt=0.0, description="Time-to-first-token SLO (from arrival at the ingress) "
+                                                               "the autoscaler sizes for, met by 99 % of requests; "
+                                                               "None: 1 s on a GPU, 5 s on a CPU.")
+    itl_slo_s: float | None = Field(None, gt=0.0, description="SLO on each request's mean inter-token latency, met by "
+                                                              "99 % of requests; None: 0.05 s on a GPU, 0.25 s on a "
+                                                              "CPU.")
+    replica_startup_s: float = Field(30.0, ge=0.0, description="Start-up time of a new replica the arrival forecast "
+                                                               "looks ahead by, until the policy has measured this "
+                                                               "deployment's own.")
     engine_num_cpus: float = Field(1.0, description="CPUs Ray reserves for each engine replica.")
     engine_num_gpus: float = Field(0.0, description="GPUs Ray reserves for each engine replica.")
     ingress_num_cpus: float = Field(0.0, description="CPUs Ray reserves for the HTTP ingress.")
@@ -90,6 +105,11 @@ class ServeConfig(BaseModel):
         if self.min_replicas < 0 or self.max_replicas < max(1, self.min_replicas):
             raise ValueError("need 0 <= min_replicas <= max_replicas and max_replicas >= 1")
         return self
+
+    def slo(self) -> SLO:
+        """The latency SLO the autoscaler sizes for: the configured one, else the device's default."""
+        default = default_slo(self.engine_num_gpus > 0 or self.engine.device.startswith("cuda"))
+        return SLO(self.ttft_slo_s or default.ttft_s, self.itl_slo_s or default.itl_s)
 
     def to_engine_config(self) -> EngineConfig:
         return dataclasses.replace(self.engine, show_progress=False)  # no progress bars in replica logs

@@ -82,10 +82,16 @@ FLEET_GAUGES = {
     "autoscaler_current_replicas": "Running replicas as the autoscaling policy last saw them.",
     "autoscaler_desired_replicas": "Replicas the autoscaling policy last asked for.",
     "autoscaler_demand_blocks": "Projected KV demand of the whole fleet, in blocks, at the policy's last look.",
-    "autoscaler_needed_replicas": "Replicas that demand needs at the target KV utilization.",
+    "autoscaler_needed_replicas": "Replicas the policy's resources need (the largest of KV memory and compute).",
+    "autoscaler_kv_need_replicas": "Replicas the projected (and forecast) KV demand needs at the target utilization.",
+    "autoscaler_compute_need_replicas": "Replicas the replicas' measured step times need to hold the ITL and TTFT "
+                                        "SLOs at the current (and forecast) load.",
+    "autoscaler_forecast_growth": "Load at one replica start-up ahead over the load now, as the policy forecasts it.",
+    "autoscaler_startup_seconds": "Replica start-up time the forecast looks ahead by (measured once the deployment "
+                                  "has scaled up).",
 }
 DECISIONS = ("autoscaler_decisions", "Scaling decisions of the policy, by direction (up/down) and the reason that "
-                                     "bound it (kv_pressure, kv_demand, quiet).")
+                                     "bound it (kv_memory, compute, kv_pressure, slo_pressure, quiet).")
 
 
 def metric_names() -> set[str]:

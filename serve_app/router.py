@@ -8,7 +8,8 @@ everything it has admitted grows to its expected size. The rules:
    no headroom for this one. If no replica qualifies the request waits in the caller (Ray backs off and
    asks again), where a new replica can take it, instead of queueing behind a full one.
 2. A replica that saw the same prompt prefix is preferred if its headroom is not negative.
-3. Otherwise, power of two choices over headroom.
+3. Otherwise, power of two choices: of the two, one whose headroom fits the request first, then the one with
+   fewer requests waiting for their first token (prefill queued there: what TTFT waits for), then headroom.
 Stats are a second old at most; what this router sent to a replica since its last report is added to
 that replica's demand and waiting count (PendingBook), so a burst does not all land on one replica.
 `rank_replicas` holds the rule and needs no Ray.
@@ -107,7 +108,7 @@ def rank_replicas(views: Sequence[ReplicaView], need_blocks: int, fingerprint: s
             rest = sorted((v for v in open_views if v is not best), key=lambda v: -v.headroom(need_blocks))
             return [[best.key]] + [[v.key] for v in rest]
     pair = rng.sample(list(open_views), 2) if len(open_views) >= 2 else list(open_views)
-    pair.sort(key=lambda v: -v.headroom(need_blocks))
+    pair.sort(key=lambda v: (v.headroom(need_blocks) < 0, v.waiting, -v.headroom(need_blocks)))
     others = [v for v in open_views if v not in pair]
     others.sort(key=lambda v: -v.headroom(need_blocks))
     return [[v.key] for v in pair] + [[v.key] for v in others]

@@ -23,7 +23,7 @@ from engine.async_llm import AsyncLLM, EnginePaused
 from engine.llm import apply_chat_template
 from engine.outputs import CompletionOutput
 from engine.sampling_params import RequestOutputKind, SamplingParams
-from serve_app.autoscaling import autoscaling_metrics
+from serve_app.autoscaling import ArrivalMeter, LatencyWindow, autoscaling_metrics
 from serve_app.chat_output import render_tool_messages
 from serve_app.config import ServeConfig
 from serve_app.messages import ChoiceDelta, ErrorMessage, GenerateRequest, OutputDelta, TokenLogprob
@@ -53,6 +53,10 @@ class EngineServer:
         self.replica_id, self.app_name = replica_identity()
         self.metrics = ReplicaMetrics()
         self._preemptions_reported = 0
+        # what the autoscaler sizes from besides the engine's stats: arrival rates, and the latencies requests
+        # saw over the last seconds (TTFT from the ingress, each finished sample's mean ITL), against the SLO
+        self._arrivals = ArrivalMeter()
+        self._ttft_window, self._itl_window, self._queue_window = LatencyWindow(), LatencyWindow(), LatencyWindow()
         self._num_unstarted = 0  # requests in generate() that have not had their first token yet
         self._recent_prefixes: OrderedDict[str, None] = OrderedDict()  # prompt fingerprints, LRU, for routing
         self._prefix_snapshot: tuple[str, ...] = ()  # what the routing-stats thread reads
@@ -133,6 +137,7 @@ class EngineServer:
         last, first_seen, sent_prompt = start, False, False
         reasons: dict[int, str] = {}
         sample_last: dict[int, float] = {}  # per sample: when its latest tokens arrived
+        sample_first: dict[int, tuple[float, int]] = {}  # per sample: when its first tokens came, and the tokens since
         self._num_unstarted += 1
         try:
             async for out in self.llm.generate(prompt, params, request_id, self.config.stream_interval_s):
@@ -140,6 +145,9 @@ class EngineServer:
                 n_new = sum(len(c.token_ids) for c in out.outputs)
                 if n_new and not first_seen:
                     self.metrics.observe("time_to_first_token_seconds", held + now - start)
+                    self._ttft_window.add(now, held + now - start)
+                    if out.metrics is not None:  # arrival at the ingress to the first engine step
+                        self._queue_window.add(now, held + max(0.0, out.metrics.first_scheduled_time - start))
                     first_seen = True
                     self._num_unstarted -= 1
                 for c in out.outputs:  # each sample is its own stream: time between its own tokens
@@ -151,6 +159,10 @@ class EngineServer:
                     elif k > 1:  # its first token starts its clock; the rest came within this interval
                         self.metrics.observe("inter_token_latency_seconds", (now - last) / k, k - 1)
                     sample_last[c.index] = now
+                    first_at, count = sample_first.get(c.index, (now, 0))
+                    sample_first[c.index] = (first_at, count + k)
+                    if c.finish_reason and count + k > 1:  # the sample's mean ITL, as the SLO counts it
+                        self._itl_window.add(now, (now - first_at) / (count + k - 1))
                 last = now
                 yield OutputDelta([_choice(c, params.logprobs) for c in out.outputs], out.finished,
                                   len(out.prompt_token_ids), None if sent_prompt else list(out.prompt_token_ids),
@@ -199,7 +211,9 @@ class EngineServer:
         s = self.llm.stats()
         preempted = s.num_preemptions_total - self._preemptions_reported
         self._preemptions_reported = s.num_preemptions_total
-        return autoscaling_metrics(s, preempted)
+        now = time.monotonic()
+        return autoscaling_metrics(s, preempted, self._arrivals.rates(now, s), self._ttft_window.quantile(now, 0.99),
+                                   self._itl_window.quantile(now, 0.99), self._queue_window.quantile(now, 0.99))
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Ray Serve's routing-stats hook: what serve_app.router's KVAwareRouter reads."""

@@ -12,7 +12,10 @@ request-count policy would keep one replica in every phase below:
    back down while both streams run, and the one on the replica being removed still finishes (drain).
 
 Every request in every phase must end with all its tokens, finish_reason "length" and [DONE].
-A second app with min_replicas=0 shows the cold start from zero and reports its time.
+A second app with min_replicas=0 shows the cold start from zero and reports its time. A third is compute-bound:
+many short concurrent streams whose steps (`fake_step_s` + `fake_step_s_per_token` per token) push the
+inter-token latency over its SLO with KV mostly free; it scales up on compute, and back down when the load
+drops, with no stream cut.
 """
 from __future__ import annotations
 
@@ -140,7 +143,7 @@ def test_scale_from_zero_reports_cold_start(cluster, make_tiny_model):
     serve.run(build_app({"model": make_tiny_model("llama"), "served_model_name": "SmolLM2-135M-Instruct",
                          "dtype": "float32", "num_kv_blocks": 32, "max_model_len": 256, "torch_threads": 1,
                          "num_replicas": None, "min_replicas": 0, "max_replicas": 1, "downscale_quiet_s": 1,
-                         "engine_num_cpus": 0.5}),
+                         "downscale_window_s": 1, "engine_num_cpus": 0.5}),
               name="zero", route_prefix="/zero", blocking=False)
     wait_until_serving([f"{cluster}/zero/v1/models"], 300, "the min_replicas=0 app")
     _wait_until(lambda: _running_replicas("zero") == 0 or None, 120, "the idle app to scale to zero")
@@ -171,6 +174,7 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
     serve.run(build_app({"model": "default", "num_kv_blocks": BLOCKS, "block_size": BLOCK, "max_model_len": 1024,
                          "torch_threads": 1, "max_num_seqs": 8, "num_replicas": None, "min_replicas": 1,
                          "max_replicas": 2, "kv_target_utilization": 0.9, "downscale_quiet_s": 15,
+                         "downscale_window_s": 15,
                          # Every engine step costs STEP_S (the real scheduler, block manager and KV accounting
                          # run; the model's forward is a sleep). The phases below are timed against the
                          # autoscaler's quiet period, so their length must not follow this CPU's decode
@@ -265,3 +269,69 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
     finally:
         watch.stop()
         serve.delete("kv")
+
+
+def test_scales_on_compute_when_itl_breaks_the_slo_with_kv_free(cluster):
+    """16 short streams at a time: each step costs 20 ms + 4 ms per token, so one replica's steps take ~90 ms
+    against a 60 ms ITL SLO while 16 x 3 of its 512 KV blocks are used. The policy (the replicas' learned step
+    times, and the ITL they observe) adds the second replica; after the load drops to two long streams it
+    goes back to one while both stream to their last token."""
+    from ray import serve
+
+    from serve_app import build_app
+
+    serve.run(build_app({"model": "default", "num_kv_blocks": 512, "block_size": BLOCK, "max_model_len": 1024,
+                         "torch_threads": 1, "max_num_seqs": 32, "num_replicas": None, "min_replicas": 1,
+                         "max_replicas": 2, "downscale_quiet_s": 10, "downscale_window_s": 10,
+                         "itl_slo_s": 0.06, "ttft_slo_s": 5.0, "fake_step_s": 0.02, "fake_step_s_per_token": 0.004,
+                         "graceful_shutdown_timeout_s": 400}),
+              name="cb", route_prefix="/cb", blocking=False)
+    wait_until_serving([f"{cluster}/cb/v1/models"], 300, "the compute-bound app")
+    url = f"{cluster}/cb/v1/completions"
+    watch = ReplicaWatch("cb")
+    rng = random.Random(1)
+    try:
+        async def busy(until: float) -> list[dict]:
+            async def loop(c):
+                out = []
+                while time.time() < until:
+                    out.append(await stream_completion(c, url, random_prompt(rng, 8), 32))
+                return out
+
+            async with httpx.AsyncClient(timeout=600) as c:
+                return [r for rs in await asyncio.gather(*(loop(c) for _ in range(16))) for r in rs]
+
+        t0 = time.time()
+        short = []
+        while time.time() - t0 < 180:  # until the second replica serves (it loads a model on 2 busy cores)
+            short += asyncio.run(busy(time.time() + 15))
+            if max(watch.between(t0, time.time()), default=1) == 2:
+                break
+        t1 = time.time()
+        assert_whole(short, 32)
+        assert max(watch.between(t0, t1)) == 2, "ITL over the SLO with KV free must scale up on compute"
+        text = httpx.get(f"{cluster}/cb/metrics", timeout=10).text
+        ups = {labels["reason"] for line in text.splitlines() if line.startswith("kvscale:autoscaler_decisions_total{")
+               for labels in [dict(re.findall(r'(\w+)="([^"]*)"', line))] if labels["direction"] == "up"}
+        assert ups and ups <= {"compute", "slo_pressure"}, f"scaled up for {ups}, not for compute"
+        usage = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                 if line.startswith("kvscale:kv_cache_usage_perc{")]
+        assert usage and max(usage) < 0.5, f"KV was not mostly free: {usage}"
+
+        async def drop() -> list[dict]:  # two long streams, one per replica, outlasting the quiet period
+            async with httpx.AsyncClient(timeout=600) as c:
+                first = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 8), 700))
+                await asyncio.sleep(1.5)
+                second = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 8), 700))
+                return [await first, await second]
+
+        drained = asyncio.run(drop())
+        assert_whole(drained, 700)
+        _wait_until(lambda: _running_replicas("cb") == 1 or None, 90, "the scale-down to one replica")
+        t2 = time.time()
+        down_at = next((t for t, n in watch.samples if t > t1 and n == 1), t2)
+        print(f"\ncompute-bound: {len(short)} short streams, up to 2 replicas after {t1 - t0:.0f} s, back to 1 "
+              f"{down_at - t1:.0f} s after the load dropped; KV use at most {max(usage):.0%}")
+    finally:
+        watch.stop()
+        serve.delete("cb")

@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import pytest
 
-from serve_app.autoscaling import kv_autoscaling_policy
+from serve_app.autoscaling import kvscale_policy
 
 
 def ctx(current=1, total=100.0, demand=0.0, waiting=0.0, preempted=0.0, state=None, now=100.0, requests=0.0,
-        lo=1, hi=4, target=None, last_up=None, last_down=None, config=None, queued=0.0, held=None):
+        lo=1, hi=4, target=None, last_up=None, last_down=None, config=None, queued=0.0, held=None, fleet=None,
+        each=None):
+    """fleet: more metrics as fleet totals (split evenly over the replicas); each: metrics every replica reports
+    as they are (its step-time coefficients, its recent latencies)."""
     from ray.serve._private.common import DeploymentID, ReplicaID
     from ray.serve.config import AutoscalingContext
 
@@ -20,7 +23,8 @@ def ctx(current=1, total=100.0, demand=0.0, waiting=0.0, preempted=0.0, state=No
     metrics = {} if current == 0 else {
         "kv_total_blocks": {r: total for r in replicas}, "kv_demand_blocks": per_replica(demand),
         "num_waiting_for_kv": per_replica(waiting), "preemptions": per_replica(preempted),
-        "num_requests": per_replica(requests if held is None else held)}
+        "num_requests": per_replica(requests if held is None else held),
+        **{k: per_replica(v) for k, v in (fleet or {}).items()}, **{k: {r: v for r in replicas} for k, v in (each or {}).items()}}
     return AutoscalingContext(
         deployment_id=dep, deployment_name="KVEngine", app_name="app", current_num_replicas=current,
         target_num_replicas=current if target is None else target, running_replicas=replicas, total_num_requests=requests,
@@ -30,46 +34,52 @@ def ctx(current=1, total=100.0, demand=0.0, waiting=0.0, preempted=0.0, state=No
 
 
 def test_scales_on_kv_demand_not_request_count():
-    assert kv_autoscaling_policy(ctx(demand=60.0, requests=50))[0] == 1  # many small requests: fits
-    assert kv_autoscaling_policy(ctx(demand=160.0, requests=3))[0] == 3  # few long ones: 160 / 75 -> 3
+    assert kvscale_policy(ctx(demand=60.0, requests=50))[0] == 1  # many small requests: fits
+    assert kvscale_policy(ctx(demand=160.0, requests=3))[0] == 3  # few long ones: 160 / 75 -> 3
 
 
 def test_pressure_scales_up_at_once_and_respects_max():
-    assert kv_autoscaling_policy(ctx(current=2, demand=10.0, waiting=1))[0] == 3
-    assert kv_autoscaling_policy(ctx(current=2, demand=10.0, preempted=2))[0] == 3
-    assert kv_autoscaling_policy(ctx(current=4, demand=900.0, waiting=5))[0] == 4
+    assert kvscale_policy(ctx(current=2, demand=10.0, waiting=1))[0] == 3
+    assert kvscale_policy(ctx(current=2, demand=10.0, preempted=2))[0] == 3
+    assert kvscale_policy(ctx(current=4, demand=900.0, waiting=5))[0] == 4
 
 
 def test_requests_held_in_the_callers_count_as_demand():
     # 4 requests on the replica project 60 blocks (15 each); 6 more wait in the router: 150 blocks
-    assert kv_autoscaling_policy(ctx(demand=60.0, held=4, queued=6))[0] == 2
-    assert kv_autoscaling_policy(ctx(demand=60.0, held=4, queued=0))[0] == 1
+    assert kvscale_policy(ctx(demand=60.0, held=4, queued=6))[0] == 2
+    assert kvscale_policy(ctx(demand=60.0, held=4, queued=0))[0] == 1
 
 
 def test_pressure_adds_one_replica_per_settle_period():
     # a replica is still starting (target 3, running 2): ask for the same 3, not a 4th
-    assert kv_autoscaling_policy(ctx(current=2, target=3, demand=10.0, waiting=1, last_up=95.0))[0] == 3
+    assert kvscale_policy(ctx(current=2, target=3, demand=10.0, waiting=1, last_up=95.0))[0] == 3
     # it is running, but the requests queued on the full replica still wait: give the new one time
-    assert kv_autoscaling_policy(ctx(current=3, demand=10.0, waiting=1, now=100.0, last_up=95.0))[0] == 3
-    assert kv_autoscaling_policy(ctx(current=3, demand=10.0, waiting=1, now=106.0, last_up=95.0))[0] == 4
+    assert kvscale_policy(ctx(current=3, demand=10.0, waiting=1, now=100.0, last_up=95.0))[0] == 3
+    assert kvscale_policy(ctx(current=3, demand=10.0, waiting=1, now=106.0, last_up=95.0))[0] == 4
     # demand itself still counts at once
-    assert kv_autoscaling_policy(ctx(current=2, demand=300.0, waiting=1, last_up=99.0))[0] == 4
+    assert kvscale_policy(ctx(current=2, demand=300.0, waiting=1, last_up=99.0))[0] == 4
 
 
 def test_scale_down_waits_for_a_quiet_period_then_goes_to_what_demand_needs():
-    d, state = kv_autoscaling_policy(ctx(current=3, demand=10.0, waiting=1, now=0.0))
+    # replicas start at once here (startup_s=0): what pressure asked for holds only for the quiet period
+    def policy(c):
+        return kvscale_policy(c, startup_s=0.0)
+
+    d, state = policy(ctx(current=3, demand=10.0, waiting=1, now=0.0))
     assert d == 4
-    d, state = kv_autoscaling_policy(ctx(current=3, demand=10.0, state=state, now=10.0))
+    d, state = policy(ctx(current=3, demand=10.0, state=state, now=10.0))
     assert d == 3  # still within the quiet period
     for t in (31.0, 31.1, 32.0):  # the same answer on every call until Ray applies it
-        d, state = kv_autoscaling_policy(ctx(current=3, demand=80.0, state=state, now=t))
+        d, state = policy(ctx(current=3, demand=80.0, state=state, now=t))
         assert d == 2  # 80 blocks need 2 replicas at 75 % of 100
-    d, state = kv_autoscaling_policy(ctx(current=2, demand=10.0, state=state, now=40.0, last_down=32.0))
+    d, state = policy(ctx(current=2, demand=10.0, state=state, now=40.0, last_down=32.0))
     assert d == 2  # the next step down needs another quiet period after the last one
-    d, _ = kv_autoscaling_policy(ctx(current=2, demand=10.0, state=state, now=62.5, last_down=32.0))
+    d, _ = policy(ctx(current=2, demand=10.0, state=state, now=62.5, last_down=32.0))
     assert d == 1
-    d, _ = kv_autoscaling_policy(ctx(current=4, demand=0.0, now=1000.0, lo=1))
-    assert d == 1  # idle: straight down to the minimum
+    d, state = policy(ctx(current=4, demand=0.0, now=1000.0, lo=1))
+    assert d == 4  # a policy that has just started holds the fleet it found for one window
+    d, _ = policy(ctx(current=4, demand=0.0, now=1031.0, lo=1, state=state))
+    assert d == 1  # then, idle: straight down to the minimum
 
 
 def test_under_rays_own_control_loop(monkeypatch):
@@ -84,10 +94,11 @@ def test_under_rays_own_control_loop(monkeypatch):
     from serve_app.autoscaling import autoscaling_config
     from serve_app.config import ServeConfig
 
-    raw = autoscaling_config(ServeConfig(num_replicas=None, min_replicas=1, max_replicas=4, downscale_quiet_s=5))
+    raw = autoscaling_config(ServeConfig(num_replicas=None, min_replicas=1, max_replicas=4, downscale_quiet_s=5,
+                                         downscale_window_s=5))
     config = AutoscalingConfig(**{k: v for k, v in raw.items() if k != "policy"})
     kwargs = raw["policy"]["policy_kwargs"]
-    policy = _apply_autoscaling_config(lambda c: kv_autoscaling_policy(c, **kwargs))
+    policy = _apply_autoscaling_config(lambda c: kvscale_policy(c, **kwargs))
     current, state, last_up, last_down, history = 1, {}, None, None, []
     clock = types.SimpleNamespace(time=lambda: now)
     monkeypatch.setattr(ray_policy, "time", clock)  # Ray's delay logic reads the wall clock
@@ -116,13 +127,13 @@ def test_under_rays_own_control_loop(monkeypatch):
 
 
 def test_no_scale_down_when_rest_would_be_over_target():
-    d, _ = kv_autoscaling_policy(ctx(current=2, demand=140.0, now=1000.0))
+    d, _ = kvscale_policy(ctx(current=2, demand=140.0, now=1000.0))
     assert d == 2  # 140 blocks need 2 replicas at 75 % of 100
 
 
 @pytest.mark.parametrize("requests,expected", [(0.0, 0), (2.0, 1)])
 def test_cold_start_from_zero(requests, expected):
-    assert kv_autoscaling_policy(ctx(current=0, requests=requests, lo=0))[0] == expected
+    assert kvscale_policy(ctx(current=0, requests=requests, lo=0))[0] == expected
 
 
 def test_autoscaling_app_builds_with_our_policy():
@@ -138,7 +149,9 @@ def test_autoscaling_app_builds_with_our_policy():
     auto = engine._deployment_config.autoscaling_config
     assert engine.name == "KVEngine" and (auto.min_replicas, auto.max_replicas, auto.initial_replicas) == (0, 3, 1)
     assert auto.policy.policy_function == "serve_app.autoscaling:KVAutoscalingPolicy"
-    assert auto.policy.policy_kwargs == {"target_utilization": 0.6, "downscale_quiet_s": 4.0}
+    assert auto.policy.policy_kwargs == {"target_utilization": 0.6, "downscale_quiet_s": 4.0,
+                                         "downscale_window_s": 900.0, "ttft_slo_s": 5.0, "itl_slo_s": 0.25,
+                                         "startup_s": 30.0}  # the CPU's default SLOs
     router = engine._deployment_config.request_router_config
     assert router.request_router_class == "serve_app.router:KVAwareRouter"
 
@@ -152,7 +165,8 @@ def test_ray_hands_our_settings_to_the_policy():
     from serve_app.app import engine_deployment_options
     from serve_app.config import ServeConfig
 
-    opts = engine_deployment_options(ServeConfig(num_replicas=None, max_replicas=3, downscale_quiet_s=4))
+    opts = engine_deployment_options(ServeConfig(num_replicas=None, max_replicas=3, downscale_quiet_s=4,
+                                                 downscale_window_s=4, replica_startup_s=0))
     policy = _resolve_policy_callable(AutoscalingConfig(**opts["autoscaling_config"]).policy)
     _, state = policy(ctx(current=2, demand=10.0, waiting=1, now=0.0))
     assert policy(ctx(current=2, demand=10.0, state=state, now=3.0))[0] == 2
@@ -203,3 +217,112 @@ def test_the_policy_class_starts_no_ray_outside_a_cluster():
     policy = KVAutoscalingPolicy(target_utilization=0.75)
     assert policy(ctx(current=1, demand=160.0))[0] == 3
     assert not ray.is_initialized()
+
+
+# ---- compute, arrivals and SLOs ----
+# A replica whose step takes 10 ms + 20 us per token + 10 ns per KV token read (an 8B model on a fast GPU, roughly)
+STEP = {"step_c0": 0.010, "step_c1": 20e-6, "step_c2": 10e-9}
+SLO = {"ttft_slo_s": 1.0, "itl_slo_s": 0.05}
+
+
+def test_compute_bound_load_scales_with_kv_mostly_free():
+    """Many short requests: 2000 running sequences of 500 tokens hold 60 % of one replica's KV blocks (of 16), below
+    the 75 % target, but its step would take 10 + 40 + 10 = 60 ms, over the 50 ms ITL SLO; two replicas' take 35."""
+    load = {"num_running": 2000.0, "running_tokens": 1_000_000.0, "arrival_rps": 0.0, "arrival_prompt_tps": 0.0}
+    d, state = kvscale_policy(ctx(current=1, total=100_000.0, demand=60_000.0, fleet=load, each=STEP), **SLO)
+    assert d == 2
+    assert state["last_look"]["bound"] == "compute" and state["last_look"]["kv_need"] == 1
+    # the same load without measured step times (a replica that has not stepped yet): KV alone decides
+    d, _ = kvscale_policy(ctx(current=1, total=100_000.0, demand=60_000.0, fleet=load), **SLO)
+    assert d == 1
+
+
+def test_prefill_load_sizes_for_the_ttft_slo():
+    """40k prompt tokens/s of 2000-token prompts: prefill alone would be 80 % of one replica's time (20 us x 40k),
+    over the share the policy plans for; a tighter TTFT SLO leaves less room for queueing, so more replicas."""
+    from serve_app.autoscaling import FleetLoad, SLO as Slo, compute_replicas
+
+    load = FleetLoad(running=20.0, running_tokens=40_000.0, prefill_tps=40_000.0, arrival_rps=20.0)
+    r, why = compute_replicas(load, (0.010, 20e-6, 10e-9), Slo(1.0, 0.05), 32)
+    assert r >= 2 and "replica" in why
+    tight, _ = compute_replicas(load, (0.010, 20e-6, 10e-9), Slo(0.1, 0.05), 32)
+    assert tight > r  # a tighter TTFT SLO needs more replicas for the same load
+
+
+def test_rising_arrivals_scale_up_before_the_load_lands():
+    """Prompt tokens/s doubling over the last minute, with a 60 s start-up: the policy sizes for the forecast."""
+    state, d = {}, 1
+    for t in range(0, 61, 1):
+        rate = 5_000.0 + 250.0 * t  # 5k -> 20k prompt tokens/s
+        load = {"num_running": rate / 100, "running_tokens": rate * 10, "arrival_rps": rate / 2000,
+                "arrival_prompt_tps": rate}
+        d, state = kvscale_policy(ctx(current=1, hi=16, total=100_000.0, fleet=load, each=STEP, now=float(t),
+                                      state=state), startup_s=60.0, **SLO)
+    now_only, _ = kvscale_policy(ctx(current=1, hi=16, total=100_000.0, fleet=load, each=STEP, now=61.0),
+                                 startup_s=60.0, forecast=False, **SLO)
+    assert state["last_look"]["growth"] > 1.5
+    assert d > now_only  # more replicas than today's load needs: they will be up when the load arrives
+
+
+def test_observed_latency_over_the_slo_adds_a_replica():
+    d, state = kvscale_policy(ctx(current=2, demand=10.0, each={"ttft_recent_s": 1.6}), **SLO)
+    assert d == 3 and state["decisions"] == {"up:slo_pressure": 1}
+    d, _ = kvscale_policy(ctx(current=2, demand=10.0, each={"itl_recent_s": 0.08}), **SLO)
+    assert d == 3
+    d, _ = kvscale_policy(ctx(current=2, demand=10.0, each={"ttft_recent_s": 0.5, "itl_recent_s": 0.04}), **SLO)
+    assert d == 2
+
+
+def test_scale_down_never_below_the_windows_need_and_keeps_starting_replicas():
+    kw = dict(downscale_quiet_s=10.0, downscale_window_s=100.0)
+    _, state = kvscale_policy(ctx(current=1, demand=300.0, now=0.0), **kw)  # needs 4
+    d, state = kvscale_policy(ctx(current=1, target=4, demand=10.0, now=5.0, state=state), **kw)
+    assert d == 4  # the need fell while 3 replicas start: they stay asked for (the window remembers 4)
+    d, state = kvscale_policy(ctx(current=4, demand=10.0, now=50.0, state=state), **kw)
+    assert d == 4  # quiet, but 4 were needed within the window
+    d, state = kvscale_policy(ctx(current=4, demand=10.0, now=101.0, state=state), **kw)
+    assert d == 1
+
+
+def test_startup_time_is_learned_from_scale_ups():
+    from serve_app.autoscaling import _learn_startup
+
+    state = {}
+    assert _learn_startup(ctx(current=1, target=3, now=0.0), state, 0.0, 30.0) == 30.0
+    _learn_startup(ctx(current=1, target=3, now=10.0), state, 10.0, 30.0)
+    assert _learn_startup(ctx(current=2, target=3, now=45.0), state, 45.0, 30.0) == 45.0
+    assert _learn_startup(ctx(current=3, target=3, now=55.0), state, 55.0, 30.0) == 50.0  # mean of 45 and 55
+
+
+def test_step_time_model_learns_a_replicas_costs():
+    import random
+
+    from engine.perf_model import StepTimeModel
+
+    m, rng = StepTimeModel(), random.Random(0)
+    for _ in range(500):
+        tokens, kv = rng.randint(1, 2048), rng.randint(0, 400_000)
+        m.observe(tokens, kv, 0.004 + 30e-6 * tokens + 5e-9 * kv)
+    c0, c1, c2 = m.coefficients()
+    assert abs(c0 - 0.004) < 1e-4 and abs(c1 - 30e-6) < 1e-7 and abs(c2 - 5e-9) < 1e-10
+    only_decode = StepTimeModel()  # one batch size only: the terms are not separable, none comes out negative
+    for _ in range(50):
+        only_decode.observe(8, 8000, 0.012)
+    assert all(c >= 0 for c in only_decode.coefficients()) and abs(only_decode.predict(8, 8000) - 0.012) < 1e-3
+
+
+def test_replica_meters():
+    from types import SimpleNamespace
+
+    from serve_app.autoscaling import ArrivalMeter, LatencyWindow
+
+    meter = ArrivalMeter(window_s=5.0)
+    for t in range(11):
+        rates = meter.rates(float(t), SimpleNamespace(num_added_total=2 * t, num_added_prompt_tokens_total=1000 * t,
+                                                      num_generation_tokens_total=50 * t))
+    assert rates == (2.0, 1000.0, 50.0)
+    window = LatencyWindow(window_s=10.0)
+    for i in range(100):
+        window.add(i * 0.1, 0.01 * i)
+    assert window.quantile(10.0, 0.99) == 0.99
+    assert window.quantile(100.0, 0.99) == 0.0  # all older than the window: nothing to say

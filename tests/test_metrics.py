@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine import LLM, SamplingParams
 from engine.llm_engine import ITERATION_TOKENS_BUCKETS
-from serve_app.autoscaling import kv_autoscaling_policy
+from serve_app.autoscaling import kvscale_policy
 from serve_app.metrics import ReplicaMetrics, metric_names, render
 from test_autoscaling_policy import ctx
 
@@ -59,7 +59,9 @@ def test_metrics_text_parses_with_every_series_and_the_model_label(llm):
              "kv_bytes_per_block": "4096", "kv_groups": "1 KV group(s) of 2 layer(s): 1 full"}
     snap = metrics.snapshot(llm.stats(), cache_config=cache, max_model_len=256, healthy=True)
     autoscaler = {"autoscaler_current_replicas": 1, "autoscaler_desired_replicas": 2, "autoscaler_demand_blocks": 90.0,
-                  "autoscaler_needed_replicas": 2, "decisions": {"up:kv_demand": 1}}
+                  "autoscaler_needed_replicas": 2, "autoscaler_kv_need_replicas": 1,
+                  "autoscaler_compute_need_replicas": 2, "autoscaler_forecast_growth": 1.5,
+                  "autoscaler_startup_seconds": 42.0, "decisions": {"up:compute": 1}}
     text = render({"r1": snap, "r2": snap}, autoscaler, "my-model")
 
     samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
@@ -68,6 +70,8 @@ def test_metrics_text_parses_with_every_series_and_the_model_label(llm):
     by = {(s.name, s.labels.get("replica"), s.labels.get("le")): s.value for s in samples}
     assert by[("kvscale:num_replicas", None, None)] == 2
     assert by[("kvscale:autoscaler_desired_replicas", None, None)] == 2
+    assert by[("kvscale:autoscaler_compute_need_replicas", None, None)] == 2
+    assert by[("kvscale:autoscaler_forecast_growth", None, None)] == 1.5
     assert by[("kvscale:request_params_n_sum", "r1", None)] == 3
     assert by[("kvscale:request_generation_tokens_sum", "r1", None)] == 12
     assert by[("kvscale:request_queue_time_seconds_sum", "r1", None)] >= 0.25  # held before the replica counts
@@ -77,7 +81,7 @@ def test_metrics_text_parses_with_every_series_and_the_model_label(llm):
     info = next(s for s in samples if s.name == "kvscale:cache_config_info")
     assert info.labels["num_gpu_blocks"] == "64" and info.labels["block_size"] == "16"
     decision = next(s for s in samples if s.name == "kvscale:autoscaler_decisions_total")
-    assert (decision.labels["direction"], decision.labels["reason"], decision.value) == ("up", "kv_demand", 1)
+    assert (decision.labels["direction"], decision.labels["reason"], decision.value) == ("up", "compute", 1)
     # prometheus' own parser found monotone cumulative buckets ending in +Inf = count
     for name in ("time_to_first_token_seconds", "request_prefill_time_seconds", "iteration_tokens_total"):
         buckets = [s for s in samples if s.name == f"kvscale:{name}_bucket" and s.labels["replica"] == "r1"]
@@ -99,16 +103,18 @@ def test_no_autoscaler_report_leaves_its_gauges_empty(llm):
 def test_the_policy_counts_each_decision_once_by_direction_and_reason():
     state: dict = {}
     for now in (100.0, 101.0, 102.0):  # the same answer on every call while Ray waits to apply it
-        desired, state = kv_autoscaling_policy(ctx(current=1, demand=160.0, state=state, now=now))
-    assert desired == 3 and state["decisions"] == {"up:kv_demand": 1}
-    desired, state = kv_autoscaling_policy(ctx(current=3, demand=160.0, state=state, now=103.0))
+        desired, state = kvscale_policy(ctx(current=1, demand=160.0, state=state, now=now))
+    assert desired == 3 and state["decisions"] == {"up:kv_memory": 1}
+    desired, state = kvscale_policy(ctx(current=3, demand=160.0, state=state, now=103.0))
     assert desired == 3  # steady
-    desired, state = kv_autoscaling_policy(ctx(current=3, demand=10.0, waiting=2, state=state, now=200.0,
+    desired, state = kvscale_policy(ctx(current=3, demand=10.0, waiting=2, state=state, now=200.0,
                                                last_up=100.0))
-    assert desired == 4 and state["decisions"] == {"up:kv_demand": 1, "up:kv_pressure": 1}
-    desired, state = kv_autoscaling_policy(ctx(current=4, demand=10.0, state=state, now=300.0, last_up=200.0))
+    assert desired == 4 and state["decisions"] == {"up:kv_memory": 1, "up:kv_pressure": 1}
+    desired, state = kvscale_policy(ctx(current=4, demand=10.0, state=state, now=300.0, last_up=200.0))
     assert desired == 1 and state["decisions"]["down:quiet"] == 1
-    assert state["last_look"] == {"demand": 10.0, "needed": 1}
+    look = state["last_look"]
+    assert (look["demand"], look["needed"], look["kv_need"], look["compute_need"], look["bound"]) == (
+        10.0, 1, 1, 0, "kv_memory")
 
 
 def _exprs(dashboard: dict) -> list[str]:

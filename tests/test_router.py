@@ -16,6 +16,16 @@ def test_two_choices_pick_the_larger_headroom():
         assert rank_replicas(views, 5, None, random.Random(seed))[0] == ["b"]
 
 
+def test_of_two_that_fit_the_one_with_fewer_requests_waiting_for_a_first_token_wins():
+    busy = view("a", free=90, waiting=3)  # more room, but three prompts queued before this one's
+    idle = view("b", free=40, waiting=0)
+    for seed in range(5):
+        assert rank_replicas([busy, idle], 5, None, random.Random(seed))[0] == ["b"]
+    tight = view("c", free=4, waiting=0)  # no headroom for it: room first
+    for seed in range(5):
+        assert rank_replicas([busy, tight], 5, None, random.Random(seed))[0] == ["a"]
+
+
 def test_headroom_counts_what_admitted_requests_will_still_claim():
     # a has more free blocks now, but its running requests will grow by 80 more
     a = view("a", free=100, held=20, demand=100)
