@@ -1,27 +1,39 @@
-"""Autoscaling simulator: a fleet of replicas, each running the engine's real scheduler and block manager,
-replaying the Azure LLM traces, under our KV policy and under Ray Serve's default request-count policy.
+"""Autoscaling simulator, the judge of autoscaling policies: a fleet of replicas, each running the engine's real
+scheduler and block manager, replaying a slice of an Azure LLM trace under kvscale's policy and under the
+policies a user would otherwise deploy, and scoring each by replica-seconds against latency-SLO attainment.
 
-Both policies go through the same interface Ray uses: a policy function of an `AutoscalingContext`,
-wrapped by Ray's own `_apply_autoscaling_config` (upscale/downscale delays, bounds) and called every
-0.1 s as Ray's controller does. Replicas report their metrics every second and the policy sees them
-averaged over a 5 s look-back, as in Ray. What each system is, as a user deploys it:
+Every policy goes through the same interface Ray uses: a policy function of an `AutoscalingContext`, wrapped by
+Ray's own `_apply_autoscaling_config` (upscale/downscale delays, bounds), called every 0.1 s as Ray's
+controller does, seeing what replicas report every second averaged over a 5 s look-back, as in Ray. Replicas
+report through the same function the real ones use (`serve_app.autoscaling.autoscaling_metrics`: KV counts,
+projected demand, arrival rates, the step-time model each learns from its own steps, recent TTFT / ITL). The
+policies, each with its settings swept:
 
-- kvscale: `serve_app.autoscaling.kv_autoscaling_policy` on projected KV demand, requests routed by
-  `serve_app.router.rank_replicas` (KV headroom, from stats refreshed every second);
-- Ray default: `ray.serve.autoscaling_policy.replica_queue_length_autoscaling_policy` at a swept
-  `target_ongoing_requests`, power-of-two routing on ongoing requests, max_ongoing_requests = 2 x target.
+- `kvscale`: `serve_app.autoscaling.kvscale_policy` (KV memory, compute, arrivals, against the SLOs), requests
+  routed by `serve_app.router`'s rule; its default configuration is the row with setting `default`;
+- `ray-default`: Ray Serve's `replica_queue_length_autoscaling_policy` at a swept `target_ongoing_requests`,
+  power-of-two routing on ongoing requests, max_ongoing_requests = 2 x target;
+- `kv-threshold` (AIBrix-style): replicas = ceil(KV blocks in use / (target utilization x blocks per replica));
+- `queue-kv-threshold` (Dynamo's load planner, llm-d's saturation scaler): one replica more when KV utilization
+  or the waiting queue per replica is over its threshold, one less when both are well under, at most once
+  per adjustment interval;
+- `sla-planner` (Dynamo's SLA planner): every adjustment interval, forecast the next interval's request rate,
+  prompt and output lengths (linear trend), and size prefill and decode capacity from a performance model of
+  the replica profiled offline (prefill throughput; the largest decode batch whose step meets the ITL SLO),
+  times a headroom factor.
+The peers are routed by power-of-two choices on ongoing requests (Ray's default router). A replica's step
+time depends on the step's tokens and the KV it reads (ReplicaProfile), so compute saturation shows up as
+ITL. A request meets the SLO when its TTFT (arrival to first token, time held before routing included) is
+within the TTFT SLO and its mean inter-token latency within the ITL SLO; requests still unfinished at the end
+miss. Starting replicas cost `startup_s` before they serve; a replica being removed stops taking requests and
+finishes what it holds. Cost is replica-seconds, start-up and drain included.
 
-A replica is a step-time model (see ReplicaProfile) around a real `Scheduler` + `BlockManager`: each step
-the scheduler picks sequences, the step takes the modelled time, tokens appear, sequences finish at the
-trace's GeneratedTokens. Starting replicas cost `startup_s` before they serve; a replica being removed
-stops taking requests and finishes what it holds (drain). Cost is replica-seconds, startup and drain
-included.
+    python bench/autoscale_sim.py --trace conv --start-minute 0 --minutes 60 --speedup 1 \\
+        --ttft-slo 1 2 5 --itl-slo 0.05 --json OUT.json     # rows: policy, setting, replica_seconds, ...
+    python bench/autoscale_sim.py --quick ...                 # fewer peer settings
 
-    python bench/autoscale_sim.py                         # both traces, 20 min each at 1x, GPU profile
-    python bench/autoscale_sim.py --trace conv --minutes 5 --targets 8 16 32
-    python bench/autoscale_sim.py --profile measured     # step-time model fitted to our engine on this CPU
-
-Prints one table per trace and writes a PNG timeline per trace (matplotlib, if installed).
+Prints a table per trace and SLO, and writes per trace a Pareto PNG (replica-seconds against SLO attainment,
+every policy's settings) and a timeline PNG (matplotlib, if installed).
 """
 from __future__ import annotations
 
@@ -31,6 +43,7 @@ import dataclasses
 import functools
 import heapq
 import itertools
+import json
 import math
 import random
 import sys
@@ -45,10 +58,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engine.block_manager import BlockManager  # noqa: E402
 from engine.llm_engine import EngineStats  # noqa: E402
+from engine.perf_model import StepTimeModel  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import Scheduler  # noqa: E402
 from engine.sequence import Sequence  # noqa: E402
-from serve_app.autoscaling import autoscaling_metrics  # noqa: E402
+from serve_app.autoscaling import ArrivalMeter, LatencyWindow, autoscaling_metrics  # noqa: E402
 from serve_app.router import routing_stats  # noqa: E402
 
 TRACE_DIR = Path(__file__).resolve().parents[2] / "shared" / "data" / "azure-llm-2023"
@@ -56,6 +70,7 @@ CONTROL_PERIOD_S = 0.1  # Ray's controller loop
 METRICS_PERIOD_S = 1.0  # metrics_interval_s in serve_app.autoscaling.autoscaling_config
 LOOK_BACK_S = 5.0
 ROUTING_STATS_PERIOD_S = 1.0
+POLICIES = ("kvscale", "ray-default", "kv-threshold", "queue-kv-threshold", "sla-planner")
 
 
 # ---------------------------------------------------------------------------------------------- replicas
@@ -93,6 +108,20 @@ def gpu_profile() -> ReplicaProfile:
     return ReplicaProfile(name="Llama-3.1-8B bf16 on an A10G-class GPU (modelled)", weight_bytes=16.06e9,
                           params=8.03e9, kv_bytes_per_token=kv_per_token, bandwidth=0.8 * 600e9,
                           flops=0.5 * 125e12, t_fixed=0.004, num_blocks=pool_tokens // 16, startup_s=60.0)
+
+
+def h100_profile() -> ReplicaProfile:
+    """Llama-3.1-8B in bf16 on one H100 SXM 80 GB (3.35 TB/s, 989 TFLOP/s dense bf16), at 80 % of bandwidth and
+    50 % of matmul peak; max_num_seqs 256, 1024 batched tokens a step (chunked prefill sized for a 50 ms ITL).
+    KV: 32 layers x 8 KV heads x 128 x (K, V) x 2 bytes = 128 KiB per token; pool = 0.9 x 80 GB - 16 GB weights
+    - 4 GB activations and graphs ~ 52 GB = 396k tokens. A new replica serves after 60 s (node already up:
+    pull, load, warm-up)."""
+    kv_per_token = 32 * 8 * 128 * 2 * 2
+    pool_tokens = int((0.9 * 80e9 - 16.06e9 - 4e9) / kv_per_token)
+    return ReplicaProfile(name="Llama-3.1-8B bf16 on an H100 SXM (modelled)", weight_bytes=16.06e9, params=8.03e9,
+                          kv_bytes_per_token=kv_per_token, bandwidth=0.8 * 3.35e12, flops=0.5 * 989e12,
+                          t_fixed=0.003, num_blocks=pool_tokens // 16, max_num_batched_tokens=1024,
+                          max_model_len=16384, startup_s=60.0)
 
 
 def measured_profile(num_blocks: int = 2048) -> ReplicaProfile:
@@ -147,10 +176,18 @@ class Request:
     arrival: float
     prompt_len: int
     output_len: int
+    scheduled: float | None = None
     first_token: float | None = None
     finished: float | None = None
     replica: Any = None
     seq: Sequence | None = None
+
+    @property
+    def itl(self) -> float:
+        """Mean inter-token latency, first token to last (what the ITL SLO bounds)."""
+        if self.finished is None or self.first_token is None:
+            return math.inf
+        return (self.finished - self.first_token) / (self.output_len - 1) if self.output_len > 1 else 0.0
 
 
 class SimReplica:
@@ -170,6 +207,11 @@ class SimReplica:
         self.preemptions_reported = 0
         self.reports: deque[tuple[float, dict[str, float]]] = deque()
         self.routing_stats: dict[str, float] | None = None
+        # what a real replica measures and reports (serve_app/server.py): its own step times, arrivals, latencies
+        self.step_model = StepTimeModel()
+        self.arrivals = ArrivalMeter()
+        self.ttft_window, self.itl_window, self.queue_window = LatencyWindow(), LatencyWindow(), LatencyWindow()
+        self.step_started = 0.0
 
     @property
     def ready(self) -> bool:
@@ -192,21 +234,29 @@ class SimReplica:
         if batch.is_empty:
             self.busy_until = None
             return None
-        kv_read = sum(s.num_computed_tokens + n for s, n in zip(batch.seqs, batch.num_new_tokens))
-        self.batch = batch
-        self.busy_until = now + self.profile.step_time(batch.num_tokens, kv_read)
+        self.batch, self.step_started = batch, now
+        for seq in batch.seqs:
+            req = self.requests[seq.request_id]
+            if req.scheduled is None:  # its first step: the end of its queueing
+                req.scheduled = now
+                self.queue_window.add(now, now - req.arrival)
+        self.busy_until = now + self.profile.step_time(batch.num_tokens, batch.num_kv_tokens_read)
         return self.busy_until
 
     def finish_step(self, now: float) -> list[Request]:
         """The engine's own update path (Scheduler.update_from_output) with a fake token for every sample;
         sequences end at the trace's output length (their max_tokens)."""
         batch, done = self.batch, []
+        self.step_model.observe(batch.num_tokens, batch.num_kv_tokens_read, now - self.step_started)
         for seq in self.scheduler.update_from_output(batch, [1] * len(batch.sample_rows())):
             req = self.requests[seq.request_id]
             if req.first_token is None:
                 req.first_token = now
+                self.ttft_window.add(now, now - req.arrival)
             if seq.is_finished:
                 req.finished = now
+                if req.output_len > 1:
+                    self.itl_window.add(now, req.itl)
                 del self.requests[seq.request_id]
                 done.append(req)
         self.busy_until = None
@@ -217,7 +267,10 @@ class SimReplica:
         function, plus the ongoing count Ray's default policy reads."""
         preempted = self.scheduler.num_preemptions_total - self.preemptions_reported
         self.preemptions_reported = self.scheduler.num_preemptions_total
-        metrics = autoscaling_metrics(EngineStats.from_scheduler(self.scheduler), preempted)
+        stats = EngineStats.from_scheduler(self.scheduler, step_model=self.step_model.coefficients())
+        metrics = autoscaling_metrics(stats, preempted, self.arrivals.rates(now, stats),
+                                      self.ttft_window.quantile(now, 0.99), self.itl_window.quantile(now, 0.99),
+                                      self.queue_window.quantile(now, 0.99))
         self.reports.append((now, {**metrics, "ongoing": float(self.ongoing)}))
         while self.reports and self.reports[0][0] < now - LOOK_BACK_S:
             self.reports.popleft()
@@ -232,11 +285,95 @@ class SimReplica:
         return sum(values) / len(values) if values else 0.0
 
 
+# ---------------------------------------------------------------------------------------------- peer policies
+# Each is a policy function of Ray's AutoscalingContext, as a user would plug it into Ray Serve; they read the
+# same replica reports kvscale's policy reads.
+def _fleet(ctx: Any, name: str) -> float:
+    return sum(((ctx.aggregated_metrics or {}).get(name) or {}).values())
+
+
+def _no_reports(ctx: Any) -> bool:
+    return not (ctx.aggregated_metrics or {}).get("kv_total_blocks")
+
+
+def kv_threshold_policy(ctx: Any, target_utilization: float) -> tuple[int, dict]:
+    """AIBrix-style: as many replicas as keep the KV cache in use at the target utilization."""
+    if _no_reports(ctx):
+        return ctx.current_num_replicas, ctx.policy_state or {}
+    per_replica = _fleet(ctx, "kv_total_blocks") / max(1, len(ctx.aggregated_metrics["kv_total_blocks"]))
+    used = _fleet(ctx, "kv_used_blocks")
+    return max(1, math.ceil(used / (target_utilization * per_replica))), ctx.policy_state or {}
+
+
+def queue_kv_threshold_policy(ctx: Any, kv_threshold: float, queue_threshold: float,
+                              interval_s: float) -> tuple[int, dict]:
+    """Dynamo load-planner / llm-d style: one replica more when the mean KV utilization or the waiting queue per
+    replica is over its threshold, one less when both are under half of it, at most once per interval."""
+    state = dict(ctx.policy_state or {})
+    current, now = ctx.current_num_replicas, ctx.current_time or 0.0
+    if _no_reports(ctx) or now - state.get("last", -math.inf) < interval_s:  # hold the last decision (Ray's
+        return state.get("decision", current), state  # delays want the same answer on consecutive ticks)
+    util = _fleet(ctx, "kv_used_blocks") / max(1.0, _fleet(ctx, "kv_total_blocks"))
+    queue = (_fleet(ctx, "num_waiting") + (ctx.total_queued_requests or 0)) / max(1, current)
+    state["last"] = now
+    base = max(current, ctx.target_num_replicas or current)
+    if util > kv_threshold or queue > queue_threshold:
+        state["decision"] = base + 1
+    elif util < kv_threshold / 2 and queue < queue_threshold / 2:
+        state["decision"] = current - 1
+    else:
+        state["decision"] = base
+    return state["decision"], state
+
+
+def sla_planner_policy(ctx: Any, profile: ReplicaProfile, ttft_slo_s: float, itl_slo_s: float, interval_s: float,
+                       headroom: float) -> tuple[int, dict]:
+    """Dynamo SLA-planner style: every interval, forecast the next interval's request rate, prompt and output
+    lengths by a linear trend over the last intervals, and size the fleet from a performance model profiled
+    offline: prefill capacity (tokens/s a replica computes with its TTFT within the SLO) and decode capacity
+    (tokens/s at the largest batch whose step meets the ITL SLO, at the forecast context)."""
+    state = dict(ctx.policy_state or {})
+    current, now = ctx.current_num_replicas, ctx.current_time or 0.0
+    if _no_reports(ctx) or now - state.get("last", -math.inf) < interval_s:  # hold the last decision
+        return state.get("decision", max(current, ctx.target_num_replicas or current)), state
+    state["last"] = now
+    rps, ptps, gtps = _fleet(ctx, "arrival_rps"), _fleet(ctx, "arrival_prompt_tps"), _fleet(ctx, "generation_tps")
+    hist = state.setdefault("hist", [])
+    hist.append((rps, ptps / rps if rps > 0 else 0.0, gtps / rps if rps > 0 else 0.0))
+    del hist[:-4]
+
+    def trend(i: int) -> float:
+        xs = [h[i] for h in hist]
+        return max(0.0, xs[-1] + (xs[-1] - xs[0]) / (len(xs) - 1)) if len(xs) > 1 else xs[-1]
+
+    rate, isl, osl = trend(0), trend(1), trend(2)
+    if rate <= 0:
+        state["decision"] = 1
+        return 1, state
+    # prefill: a replica computing prompts back to back, each within the TTFT SLO
+    chunk = min(profile.max_num_batched_tokens, max(1, int(isl)))
+    prefill_tps = chunk / profile.step_time(chunk, chunk)
+    if profile.step_time(chunk, chunk) > ttft_slo_s:  # one prompt alone misses: plan at half load
+        prefill_tps /= 2
+    # decode: the largest batch whose step meets the ITL SLO at the mean context
+    ctx_len = isl + osl / 2
+    best = 1
+    for b in range(1, profile.max_num_seqs + 1):
+        if profile.step_time(b, int(b * ctx_len)) > itl_slo_s or b * ctx_len > profile.num_blocks * profile.block_size:
+            break
+        best = b
+    decode_tps = best / profile.step_time(best, int(best * ctx_len))
+    need = rate * isl / prefill_tps + rate * osl / decode_tps
+    state["decision"] = max(1, math.ceil(headroom * need))
+    return state["decision"], state
+
+
 # ---------------------------------------------------------------------------------------------- systems
 @dataclasses.dataclass
 class System:
-    name: str
-    policy: Callable  # (AutoscalingContext) -> (replicas, state), wrapped by Ray's own config wrapper
+    policy: str  # one of POLICIES
+    setting: str
+    fn: Callable  # (AutoscalingContext) -> (replicas, state), wrapped by Ray's own config wrapper
     config: Any  # ray.serve.config.AutoscalingConfig
     route: Callable[[list[SimReplica], Request, random.Random], SimReplica | None]
 
@@ -267,32 +404,70 @@ def make_request_count_route(max_ongoing: int):
     return route
 
 
-def systems(targets: list[int], min_replicas: int, max_replicas: int, quiet_s: float,
-            utilizations: list[float], initial_replicas: int) -> list[System]:
+def settings(policy: str, quick: bool) -> list[dict[str, Any]]:
+    """The swept settings of each policy (kvscale: its default configuration only, plus two variants)."""
+    delays = [30.0] if quick else [30.0, 300.0, 600.0]
+    if policy == "kvscale":
+        return [{}] if quick else [{}, {"target_utilization": 0.9}, {"downscale_window_s": 60.0}]
+    if policy == "ray-default":
+        return [{"target": t, "delay": d} for t in ([16, 64] if quick else [8, 16, 32, 64, 128]) for d in delays]
+    if policy == "kv-threshold":
+        return [{"target_utilization": u, "delay": d} for u in ([0.3, 0.7] if quick else [0.2, 0.3, 0.5, 0.7])
+                for d in delays]
+    if policy == "queue-kv-threshold":
+        return [{"kv_threshold": k, "queue_threshold": q, "interval_s": i} for k in ([0.5] if quick else [0.3, 0.6])
+                for q in ([2] if quick else [1, 4]) for i in ([10.0] if quick else [10.0, 60.0])]
+    if policy == "sla-planner":
+        return [{"interval_s": i, "headroom": h} for i in ([60.0] if quick else [30.0, 60.0, 180.0])
+                for h in ([1.5] if quick else [1.0, 1.5, 2.0, 3.0])]
+    raise ValueError(policy)
+
+
+def setting_name(policy: str, setting: dict[str, Any]) -> str:
+    if policy == "kvscale" and not setting:
+        return "default"
+    return ", ".join(f"{k}={v:g}" for k, v in setting.items())
+
+
+def build_system(policy: str, setting: dict[str, Any], profile: ReplicaProfile, slo: tuple[float, float],
+                 min_replicas: int, max_replicas: int, initial_replicas: int) -> System:
     from ray.serve.autoscaling_policy import _apply_autoscaling_config, replica_queue_length_autoscaling_policy
     from ray.serve.config import AutoscalingConfig
 
-    from serve_app.autoscaling import kv_autoscaling_policy
+    from serve_app.autoscaling import kvscale_policy
+    from serve_app.config import ServeConfig
 
     common = dict(min_replicas=min_replicas, max_replicas=max_replicas, initial_replicas=initial_replicas,
                   metrics_interval_s=METRICS_PERIOD_S, look_back_period_s=LOOK_BACK_S, upscale_delay_s=1.0)
-    out = []
-    for u in utilizations:
-        out.append(System(name=f"kvscale, kv_target_utilization={u:g}",
-                          policy=_apply_autoscaling_config(functools.partial(
-                              kv_autoscaling_policy, target_utilization=u, downscale_quiet_s=quiet_s)),
-                          config=AutoscalingConfig(**common, downscale_delay_s=1.0), route=KVRoute()))
-    for t in targets:
-        # the same reaction times as ours: up after 1 s, down after the same quiet period
-        out.append(System(name=f"Ray default, target_ongoing_requests={t}",
-                          policy=_apply_autoscaling_config(replica_queue_length_autoscaling_policy),
-                          config=AutoscalingConfig(**common, target_ongoing_requests=t, downscale_delay_s=quiet_s),
-                          route=make_request_count_route(2 * t)))
-    return out
+    name = setting_name(policy, setting)
+    setting = dict(setting)
+    delay = setting.pop("delay", 1.0)
+    if policy == "kvscale":  # the app's own defaults (ServeConfig), the SLO and the replica's start-up given
+        from serve_app.autoscaling import policy_kwargs
+
+        kwargs = policy_kwargs(ServeConfig(num_replicas=None, ttft_slo_s=slo[0], itl_slo_s=slo[1],
+                                           replica_startup_s=profile.startup_s))
+        fn = functools.partial(kvscale_policy, **{**kwargs, **setting})
+        return System(policy, name, _apply_autoscaling_config(fn), AutoscalingConfig(**common, downscale_delay_s=1.0),
+                      KVRoute())
+    if policy == "ray-default":
+        return System(policy, name, _apply_autoscaling_config(replica_queue_length_autoscaling_policy),
+                      AutoscalingConfig(**common, target_ongoing_requests=setting["target"], downscale_delay_s=delay),
+                      make_request_count_route(2 * setting["target"]))
+    if policy == "kv-threshold":
+        fn = functools.partial(kv_threshold_policy, **setting)
+    elif policy == "queue-kv-threshold":
+        fn = functools.partial(queue_kv_threshold_policy, **setting)
+    else:
+        fn = functools.partial(sla_planner_policy, profile=profile, ttft_slo_s=slo[0], itl_slo_s=slo[1], **setting)
+    return System(policy, name, _apply_autoscaling_config(fn), AutoscalingConfig(**common, downscale_delay_s=delay),
+                  make_request_count_route(4 * profile.max_num_seqs))
 
 
 # ---------------------------------------------------------------------------------------------- the run
-def load_trace(name: str, minutes: float, speedup: float, max_context: int, max_output: int) -> list[Request]:
+def load_trace(name: str, start_minute: float, minutes: float, speedup: float, max_context: int,
+               max_output: int) -> list[Request]:
+    """Trace minutes [start_minute, start_minute + minutes), arrival times divided by speedup."""
     path = TRACE_DIR / f"AzureLLMInferenceTrace_{name}.csv"
     if not path.exists():
         raise SystemExit(f"trace not found: {path} (expected ../shared/data/azure-llm-2023 beside the project)")
@@ -301,12 +476,14 @@ def load_trace(name: str, minutes: float, speedup: float, max_context: int, max_
         for row in csv.DictReader(f):
             ts = datetime.fromisoformat(row["TIMESTAMP"][:26]).timestamp()
             t0 = ts if t0 is None else t0
-            arrival = (ts - t0) / speedup
-            if arrival > minutes * 60:
+            offset = ts - t0 - start_minute * 60
+            if offset < 0:
+                continue
+            if offset >= minutes * 60:
                 break
             ctx = min(int(row["ContextTokens"]), max_context)
             out = max(1, min(int(row["GeneratedTokens"]), max_output, max_context + max_output - ctx))
-            rows.append(Request(rid=len(rows), arrival=arrival, prompt_len=max(1, ctx), output_len=out))
+            rows.append(Request(rid=len(rows), arrival=offset / speedup, prompt_len=max(1, ctx), output_len=out))
     return rows
 
 
@@ -357,7 +534,6 @@ def _simulate(system, requests, profile, seed, clock, dep, ReplicaID, Autoscalin
     last_up = last_down = None
     done: list[Request] = []
     timeline: list[tuple[float, int, int, list[float]]] = []  # t, replicas, ongoing, KV use per replica
-    peak_queue = 0
 
     def serving() -> list[SimReplica]:
         return [r for r in replicas if r.ready and r.ready_at <= clock.now]
@@ -369,7 +545,6 @@ def _simulate(system, requests, profile, seed, clock, dep, ReplicaID, Autoscalin
                 push(t, "step_done", r)
 
     def route_queue() -> None:
-        nonlocal peak_queue
         live = serving()
         while handle_queue and live:
             target = system.route(live, handle_queue[0], rng)
@@ -378,12 +553,13 @@ def _simulate(system, requests, profile, seed, clock, dep, ReplicaID, Autoscalin
             req = handle_queue.popleft()
             target.add(req)
             kick(target)
-        peak_queue = max(peak_queue, len(handle_queue) + sum(
-            sum(1 for s in r.scheduler.waiting) for r in replicas if r.stopped_at is None))
 
     def maybe_stop(r: SimReplica) -> None:
         if r.draining and r.stopped_at is None and not r.requests:
             r.stopped_at = clock.now
+
+    def more() -> bool:
+        return clock.now <= end_of_trace or bool(handle_queue) or any(r.requests for r in replicas)
 
     while events:
         t, _, kind, payload = heapq.heappop(events)
@@ -404,21 +580,20 @@ def _simulate(system, requests, profile, seed, clock, dep, ReplicaID, Autoscalin
                     r.report(t)
             live = [r for r in replicas if r.stopped_at is None]
             timeline.append((t, len(live), len(handle_queue) + sum(r.ongoing for r in live),
-                             [r.bm.num_used_blocks / r.bm.num_total_blocks for r in live]))
-            if t <= end_of_trace or any(r.requests for r in replicas) or handle_queue:
+                             [r.bm.num_used_blocks / r.bm.num_total_blocks for r in live if r.ready_at <= t]))
+            if more():
                 push(t + METRICS_PERIOD_S, "metrics")
         elif kind == "routing_stats":
             for r in serving():
                 r.refresh_routing_stats(t)
-            if t <= end_of_trace or handle_queue:
+            if more():
                 push(t + ROUTING_STATS_PERIOD_S, "routing_stats")
         elif kind == "control":
             running = [r for r in replicas if r.ready and r.ready_at <= t]
             starting = [r for r in replicas if r.ready and r.ready_at > t]
             ids = {r: ReplicaID(unique_id=str(r.id), deployment_id=dep) for r in running}
-            metric_names = ("kv_total_blocks", "kv_free_blocks", "kv_used_blocks", "kv_demand_blocks",
-                            "num_waiting", "num_waiting_for_kv", "preemptions", "num_requests")
-            aggregated = {m: {ids[r]: r.averaged(m) for r in running if r.reports} for m in metric_names}
+            names = running[0].reports[-1][1].keys() if running and running[0].reports else ()
+            aggregated = {m: {ids[r]: r.averaged(m) for r in running if r.reports} for m in names}
             total_requests = sum(r.averaged("ongoing") for r in running if r.reports) + len(handle_queue)
             ctx = AutoscalingContext(
                 deployment_id=dep, deployment_name=dep.name, app_name=dep.app_name,
@@ -428,7 +603,7 @@ def _simulate(system, requests, profile, seed, clock, dep, ReplicaID, Autoscalin
                 capacity_adjusted_min_replicas=cfg.min_replicas, capacity_adjusted_max_replicas=cfg.max_replicas,
                 policy_state=dict(policy_state), last_scale_up_time=last_up, last_scale_down_time=last_down,
                 current_time=t, config=cfg)
-            desired, policy_state = system.policy(ctx)
+            desired, policy_state = system.fn(ctx)
             desired = max(cfg.min_replicas, min(cfg.max_replicas, math.ceil(desired)))
             have = len(running) + len(starting)
             if desired > have:
@@ -445,134 +620,254 @@ def _simulate(system, requests, profile, seed, clock, dep, ReplicaID, Autoscalin
                         victim.stopped_at = t
                     maybe_stop(victim)
                 last_down = t
-            if t <= end_of_trace or any(r.requests for r in replicas) or handle_queue:
+            if more():
                 push(t + CONTROL_PERIOD_S, "control")
         elif kind == "ready":
             route_queue()
 
-    horizon = max(r.finished for r in done) if done else 0.0
+    horizon = max((r.finished for r in done), default=0.0)
     for r in replicas:
         if r.stopped_at is None:
             r.stopped_at = horizon
-    ttft = sorted(r.first_token - r.arrival for r in done)
-
-    def pct(p: float) -> float:
-        return ttft[min(len(ttft) - 1, int(p * len(ttft)))] if ttft else float("nan")
-
     return {
-        "system": system.name, "requests": len(requests), "completed": len(done),
+        "policy": system.policy, "setting": system.setting, "requests": len(requests), "completed": len(done),
         "replica_seconds": sum(max(0.0, r.stopped_at - r.started_at) for r in replicas),
-        "ttft_p50": pct(0.50), "ttft_p99": pct(0.99),
         "preemptions": sum(r.scheduler.num_preemptions_total for r in replicas),
-        "peak_queue": peak_queue, "max_replicas": max((n for _, n, _, _ in timeline), default=0),
+        "max_replicas": max((n for _, n, _, _ in timeline), default=0),
+        "ttfts": [r.first_token - r.arrival for r in done], "itls": [r.itl for r in done],
         "timeline": timeline, "horizon": horizon,
     }
 
 
-# ---------------------------------------------------------------------------------------------- report
-def print_table(trace: str, results: list[dict[str, Any]], profile: ReplicaProfile, args) -> None:
-    print(f"\n### trace {trace}: first {args.minutes:g} min at {args.speedup:g}x, context <= {args.max_context}, "
-          f"output <= {args.max_output}; replica: {profile.name}; {profile.num_blocks} KV blocks of "
-          f"{profile.block_size} per replica, startup {profile.startup_s:.0f} s; "
-          f"replicas {args.min_replicas}..{args.max_replicas}, {args.initial_replicas} at the start\n")
-    print("| system | replica-s | TTFT p50 s | TTFT p99 s | preemptions | peak queue | peak replicas | done |")
-    print("|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['system']} | {r['replica_seconds']:.0f} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | "
-              f"{r['preemptions']} | {r['peak_queue']} | {r['max_replicas']} | {r['completed']}/{r['requests']} |")
-    ours_rows = [r for r in results if r["system"].startswith("kvscale")]
-    peers_all = [r for r in results if not r["system"].startswith("kvscale")]
-    print()
-    for ours in ours_rows:
-        peers = [r for r in peers_all if r["ttft_p99"] <= ours["ttft_p99"] * (1 + args.p99_slack)]
-        if not peers:
-            print(f"- {ours['system']}: p99 TTFT {ours['ttft_p99']:.1f} s; no request-count setting meets it.")
+def score(result: dict[str, Any], ttft_slo: float, itl_slo: float) -> dict[str, Any]:
+    """The row of OUT.json: cost, SLO attainment (unfinished requests miss) and tails."""
+    met = sum(1 for a, b in zip(result["ttfts"], result["itls"]) if a <= ttft_slo and b <= itl_slo)
+
+    def p99(xs: list[float]) -> float:
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(0.99 * len(xs)))] if xs else float("nan")
+
+    return {"policy": result["policy"], "setting": result["setting"],
+            "replica_seconds": round(result["replica_seconds"], 1),
+            "slo_attainment": met / result["requests"] if result["requests"] else 1.0,
+            "ttft_p99": round(p99(result["ttfts"]), 4), "itl_p99": round(p99(result["itls"]), 5),
+            "preemptions": result["preemptions"], "completed": result["completed"], "requests": result["requests"]}
+
+
+# ---------------------------------------------------------------------------------------------- sweeps and report
+@functools.lru_cache(maxsize=4)
+def _trace(name: str, start_minute: float, minutes: float, speedup: float, max_context: int,
+           max_output: int) -> list[Request]:
+    return load_trace(name, start_minute, minutes, speedup, max_context, max_output)
+
+
+def run_job(job: dict[str, Any]) -> dict[str, Any]:
+    """One policy setting on one trace slice (a worker process runs many)."""
+    import logging
+
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the policy explains each decision; not here
+    a = job["args"]
+    requests = _trace(job["trace"], a["start_minute"], a["minutes"], a["speedup"], a["max_context"], a["max_output"])
+    slo = (job["ttft_slo"] or max(a["ttft_slo"]), a["itl_slo"])
+    system = build_system(job["policy"], job["setting"], job["profile"], slo, a["min_replicas"], a["max_replicas"],
+                          a["initial_replicas"])
+    t0 = time.perf_counter()
+    result = simulate(system, requests, job["profile"])
+    result["timeline"] = result["timeline"][::5]
+    print(f"  {job['trace']} {system.policy} {system.setting}"
+          f"{'' if job['ttft_slo'] is None else ' (TTFT SLO %g s)' % job['ttft_slo']}"
+          f": {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return {**job, "result": result}
+
+
+def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats on both cost (lower) and attainment (higher), by cost."""
+    front, best = [], -1.0
+    for cost, att in sorted(points, key=lambda p: (p[0], -p[1])):
+        if att > best:
+            front.append((cost, att))
+            best = att
+    return front
+
+
+def summarize(trace: str, ttft_slo: float, rows: list[dict[str, Any]], target: float = 0.99) -> list[str]:
+    """kvscale's default against the cheapest setting of each peer that reaches the target attainment."""
+    ours = next(r for r in rows if r["policy"] == "kvscale" and r["setting"] == "default")
+    lines = [f"kvscale default: {ours['slo_attainment']:.2%} of requests within the SLO at "
+             f"{ours['replica_seconds']:.0f} replica-s" + ("" if ours["slo_attainment"] >= target else
+                                                            f" (**below {target:.0%}**)")]
+    for policy in POLICIES[1:]:
+        ok = [r for r in rows if r["policy"] == policy and r["slo_attainment"] >= target]
+        if not ok:
+            best = max((r for r in rows if r["policy"] == policy), key=lambda r: r["slo_attainment"], default=None)
+            lines.append(f"{policy}: no setting reaches {target:.0%}" + (
+                f" (best {best['slo_attainment']:.2%} at {best['replica_seconds']:.0f} replica-s, {best['setting']})"
+                if best else ""))
             continue
-        best = min(peers, key=lambda r: r["replica_seconds"])
-        margin = 1 - ours["replica_seconds"] / best["replica_seconds"]
-        print(f"- {ours['system']}: {ours['replica_seconds']:.0f} replica-s at p99 TTFT {ours['ttft_p99']:.1f} s, "
-              f"{ours['preemptions']} preemptions. Cheapest request-count setting with p99 <= that: "
-              f"{best['system'].split(', ')[1]}, {best['replica_seconds']:.0f} replica-s, {best['preemptions']} "
-              f"preemptions: kvscale {margin:+.1%} {'cheaper' if margin >= 0 else 'dearer'}.")
+        cheapest = min(ok, key=lambda r: r["replica_seconds"])
+        margin = 1 - ours["replica_seconds"] / cheapest["replica_seconds"]
+        lines.append(f"{policy}: cheapest setting at >= {target:.0%} is {cheapest['setting']} with "
+                     f"{cheapest['replica_seconds']:.0f} replica-s ({cheapest['slo_attainment']:.2%}): kvscale "
+                     f"{abs(margin):.1%} {'cheaper' if margin >= 0 else 'dearer'}")
+    return lines
 
 
-def plot(trace: str, results: list[dict[str, Any]], requests: list[Request], out: Path) -> bool:
-    try:
-        import matplotlib
+def print_tables(trace: str, ttft_slo: float, rows: list[dict[str, Any]], header: str) -> None:
+    print(f"\n### {trace}, TTFT SLO {ttft_slo:g} s, {header}\n")
+    print("| policy | setting | replica-s | SLO attainment | TTFT p99 s | ITL p99 s | preemptions | done |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in sorted(rows, key=lambda r: (POLICIES.index(r["policy"]), r["replica_seconds"])):
+        print(f"| {r['policy']} | {r['setting']} | {r['replica_seconds']:.0f} | {r['slo_attainment']:.2%} | "
+              f"{r['ttft_p99']:.2f} | {r['itl_p99']:.3f} | {r['preemptions']} | {r['completed']}/{r['requests']} |")
+    print()
+    for line in summarize(trace, ttft_slo, rows):
+        print(f"- {line}")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("(matplotlib not installed: no PNG; pip install matplotlib)")
-        return False
-    ours_rows = [r for r in results if r["system"].startswith("kvscale")]
-    ours = next((r for r in ours_rows if "=0.75" in r["system"]), ours_rows[0])
-    peers = [r for r in results if not r["system"].startswith("kvscale")]
-    best = min((r for r in peers if r["ttft_p99"] <= ours["ttft_p99"]), key=lambda r: r["replica_seconds"],
-               default=min(peers, key=lambda r: r["ttft_p99"]) if peers else None)
-    shown = [ours] + ([best] if best else [])
-    fig, axes = plt.subplots(1 + len(shown), 1, figsize=(11, 2.6 * (1 + len(shown))), sharex=True)
-    horizon = max(r["horizon"] for r in shown)
+
+def plot_pareto(trace: str, by_slo: dict[float, list[dict[str, Any]]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(by_slo), figsize=(5.2 * len(by_slo), 4.4), squeeze=False)
+    colors = dict(zip(POLICIES, ("tab:red", "tab:blue", "tab:green", "tab:orange", "tab:purple")))
+    for ax, (slo, rows) in zip(axes[0], sorted(by_slo.items())):
+        for policy in POLICIES:
+            pts = [(r["replica_seconds"], r["slo_attainment"]) for r in rows if r["policy"] == policy]
+            if not pts:
+                continue
+            ax.scatter(*zip(*pts), s=16, color=colors[policy], alpha=0.6)
+            front = pareto(pts)
+            ax.plot(*zip(*front), color=colors[policy], label=policy, lw=1.2, drawstyle="steps-post")
+        ours = next(r for r in rows if r["policy"] == "kvscale" and r["setting"] == "default")
+        ax.scatter([ours["replica_seconds"]], [ours["slo_attainment"]], marker="*", s=180, color="tab:red",
+                   edgecolor="black", zorder=5, label="kvscale default")
+        ax.axhline(0.99, color="gray", ls="--", lw=0.8)
+        ax.set_ylim(max(0.0, min(r["slo_attainment"] for r in rows) - 0.02), 1.005)
+        ax.set_xlabel("replica-seconds")
+        ax.set_ylabel("SLO attainment")
+        ax.set_title(f"{trace}: TTFT SLO {slo:g} s", fontsize=10)
+        ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+    plt.close(fig)
+    print(f"Pareto fronts: {out}")
+
+
+def plot_timeline(trace: str, shown: list[tuple[dict[str, Any], dict[str, Any]]], requests: list[Request],
+                  out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1 + len(shown), 1, figsize=(11, 2.4 * (1 + len(shown))), sharex=True)
+    horizon = max(res["horizon"] for res, _ in shown)
     bins = max(1, int(horizon // 10) + 1)
     load = [0.0] * bins
     for q in requests:
-        load[min(bins - 1, int(q.arrival // 10))] += (q.prompt_len + q.output_len) / 10.0
+        load[min(bins - 1, int(q.arrival // 10))] += q.prompt_len / 10.0
     axes[0].plot([i * 10 for i in range(bins)], load, color="gray")
-    axes[0].set_ylabel("offered tokens/s")
+    axes[0].set_ylabel("prompt tokens/s")
     axes[0].set_title(f"Azure {trace} trace: offered load, replicas and KV use per replica")
-    for ax, r in zip(axes[1:], shown):
-        ts = [p[0] for p in r["timeline"]]
-        ax.step(ts, [p[1] for p in r["timeline"]], where="post", color="black", label="replicas")
+    for ax, (res, row) in zip(axes[1:], shown):
+        ts = [p[0] for p in res["timeline"]]
+        ax.step(ts, [p[1] for p in res["timeline"]], where="post", color="black")
         ax.set_ylabel("replicas")
         ax2 = ax.twinx()
-        for t, _, _, use in r["timeline"][::2]:
+        for t, _, _, use in res["timeline"]:
             ax2.scatter([t] * len(use), use, s=2, color="tab:blue", alpha=0.4)
         ax2.set_ylim(0, 1.05)
-        ax2.set_ylabel("KV used / total")
-        ax.set_title(f"{r['system']}: {r['replica_seconds']:.0f} replica-s, p99 TTFT {r['ttft_p99']:.2f} s, "
-                     f"{r['preemptions']} preemptions", fontsize=9)
+        ax2.set_ylabel("KV used")
+        ax.set_title(f"{row['policy']} {row['setting']}: {row['replica_seconds']:.0f} replica-s, "
+                     f"SLO attainment {row['slo_attainment']:.2%}", fontsize=9)
     axes[-1].set_xlabel("simulated seconds")
     fig.tight_layout()
     fig.savefig(out, dpi=90)
+    plt.close(fig)
     print(f"timeline: {out}")
-    return True
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", choices=["conv", "code", "both"], default="both")
-    ap.add_argument("--minutes", type=float, default=20.0, help="simulate this much of the trace (after speed-up)")
+    ap.add_argument("--start-minute", type=float, default=0.0, help="first minute of the trace to replay")
+    ap.add_argument("--minutes", type=float, default=60.0, help="minutes of the trace to replay (before speed-up)")
     ap.add_argument("--speedup", type=float, default=1.0, help="divide the trace's arrival times by this")
-    ap.add_argument("--max-context", type=int, default=4096)
-    ap.add_argument("--max-output", type=int, default=1024)
-    ap.add_argument("--targets", type=int, nargs="+", default=[4, 8, 16, 32, 64],
-                    help="target_ongoing_requests values for Ray's default policy")
+    ap.add_argument("--ttft-slo", type=float, nargs="+", default=[1.0, 2.0, 5.0], help="TTFT SLOs, seconds")
+    ap.add_argument("--itl-slo", type=float, default=0.05, help="SLO on each request's mean inter-token latency, s")
+    ap.add_argument("--max-context", type=int, default=8192)
+    ap.add_argument("--max-output", type=int, default=2048)
     ap.add_argument("--min-replicas", type=int, default=1)
     ap.add_argument("--max-replicas", type=int, default=32)
-    ap.add_argument("--initial-replicas", type=int, default=4, help="the fleet when the trace starts (all systems)")
-    ap.add_argument("--quiet-s", type=float, default=30.0, help="downscale quiet period (ours) = downscale delay (Ray)")
-    ap.add_argument("--utilizations", type=float, nargs="+", default=[0.5, 0.75, 0.9],
-                    help="kv_target_utilization values for our policy (0.75 is the default)")
-    ap.add_argument("--p99-slack", type=float, default=0.0, help="a peer 'meets' our p99 TTFT within this fraction")
-    ap.add_argument("--profile", choices=["gpu", "measured"], default="gpu")
-    ap.add_argument("--png-dir", default="bench/results")
+    ap.add_argument("--initial-replicas", type=int, default=2, help="the fleet when the slice starts (all policies)")
+    ap.add_argument("--profile", choices=["h100", "a10g", "measured"], default="h100")
+    ap.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    ap.add_argument("--quick", action="store_true", help="fewer settings per policy")
+    ap.add_argument("--jobs", type=int, default=2, help="worker processes")
+    ap.add_argument("--json", help="write every row (policy, setting, replica_seconds, slo_attainment, ...) here")
+    ap.add_argument("--png-dir", default=None, help="write the Pareto and timeline PNGs here")
     args = ap.parse_args()
-    import logging
-
-    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the policy explains each decision; not here
-    profile = gpu_profile() if args.profile == "gpu" else measured_profile()
-    Path(args.png_dir).mkdir(parents=True, exist_ok=True)
+    if "kvscale" not in args.policies:
+        args.policies.insert(0, "kvscale")
+    profile = {"h100": h100_profile, "a10g": gpu_profile, "measured": measured_profile}[args.profile]()
+    shared = {k: getattr(args, k) for k in ("start_minute", "minutes", "speedup", "max_context", "max_output",
+                                             "min_replicas", "max_replicas", "initial_replicas", "itl_slo",
+                                             "ttft_slo")}
     traces = ["conv", "code"] if args.trace == "both" else [args.trace]
+    jobs = []
     for trace in traces:
-        requests = load_trace(trace, args.minutes, args.speedup, args.max_context, args.max_output)
-        results = []
-        for system in systems(args.targets, args.min_replicas, args.max_replicas, args.quiet_s,
-                              args.utilizations, args.initial_replicas):
-            t0 = time.perf_counter()
-            results.append(simulate(system, requests, profile))
-            print(f"  simulated {system.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-        print_table(trace, results, profile, args)
-        plot(trace, results, requests, Path(args.png_dir) / f"autoscale_{trace}.png")
+        for policy in args.policies:
+            slo_bound = policy in ("kvscale", "sla-planner")  # the others do not read the SLO: one run serves all
+            for setting in settings(policy, args.quick):
+                for slo in (args.ttft_slo if slo_bound else [None]):
+                    jobs.append({"trace": trace, "policy": policy, "setting": setting, "ttft_slo": slo,
+                                 "profile": profile, "args": shared})
+    print(f"{len(jobs)} simulations on {args.jobs} processes", file=sys.stderr)
+    if args.jobs > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
+            done = pool.map(run_job, jobs, chunksize=1)
+    else:
+        done = [run_job(j) for j in jobs]
+    header = (f"minutes {args.start_minute:g}-{args.start_minute + args.minutes:g} of the trace at {args.speedup:g}x, "
+              f"context <= {args.max_context}, output <= {args.max_output}, ITL SLO {args.itl_slo:g} s; replica: "
+              f"{profile.name}, {profile.num_blocks} KV blocks of {profile.block_size}, start-up "
+              f"{profile.startup_s:.0f} s; replicas {args.min_replicas}..{args.max_replicas}, "
+              f"{args.initial_replicas} at the start")
+    out_rows = []
+    for trace in traces:
+        by_slo: dict[float, list[dict[str, Any]]] = {}
+        for slo in args.ttft_slo:
+            rows = []
+            for job in done:
+                if job["trace"] == trace and job["ttft_slo"] in (None, slo):
+                    rows.append({**score(job["result"], slo, args.itl_slo), "trace": trace, "ttft_slo": slo,
+                                 "itl_slo": args.itl_slo, "_result": job["result"]})
+            by_slo[slo] = rows
+            print_tables(trace, slo, rows, header)
+            out_rows += [{k: v for k, v in r.items() if k != "_result"} for r in rows]
+        if args.png_dir:
+            try:
+                import matplotlib  # noqa: F401
+            except ImportError:
+                print("(matplotlib not installed: no PNGs; pip install matplotlib)")
+                continue
+            Path(args.png_dir).mkdir(parents=True, exist_ok=True)
+            plot_pareto(trace, by_slo, Path(args.png_dir) / f"autoscale_{trace}_pareto.png")
+            mid = sorted(by_slo)[len(by_slo) // 2]
+            rows = by_slo[mid]
+            ours = next(r for r in rows if r["policy"] == "kvscale" and r["setting"] == "default")
+            peers = [r for r in rows if r["policy"] != "kvscale" and r["slo_attainment"] >= 0.99]
+            shown = [ours] + ([min(peers, key=lambda r: r["replica_seconds"])] if peers else [])
+            requests = _trace(trace, args.start_minute, args.minutes, args.speedup, args.max_context, args.max_output)
+            plot_timeline(trace, [(r["_result"], r) for r in shown], requests,
+                          Path(args.png_dir) / f"autoscale_{trace}.png")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out_rows, indent=1))
+        print(f"rows: {args.json}")
 
 
 if __name__ == "__main__":
