@@ -9,18 +9,19 @@ Every Ray control tick the policy works out how many replicas each resource need
   (engine.perf_model, from its real steps), and reports it. With the fleet's running sequences, their context
   and the prompt tokens arriving per second spread over r replicas, a step takes
   t = (c0 + c1 b + c2 k) / (1 - c1 p) (b sequences and k KV tokens per replica, p prompt tokens/s per replica,
-  prefill chunks sharing the steps). The fewest r with t within the ITL target and the prompt's service plus
-  its queueing tail (M/D/1) within the TTFT target.
+  prefill chunks sharing the steps), at most a full token budget's step. The fewest r with t within the ITL
+  SLO, a mean prompt's service plus its p99 queueing wait (M/D/1) within the TTFT SLO, and the prompt tokens
+  already queued computed within it too.
 - **Arrivals**: the fleet's arrival rate (requests and prompt tokens per second, measured at the replicas)
   is forecast over the replica start-up time (learned from this deployment's own scale-ups) by a linear
-  trend over the last minute; KV and compute needs are sized for the forecast when it is above today's load.
+  trend over the last minute, when the trend stands out of the noise; KV and compute are sized for it.
 
 Up at once (a replica more per `pressure_settle_s` when requests wait for KV, are preempted, or the observed
-TTFT / ITL over the last seconds exceeds the SLO); down only after `downscale_quiet_s` without pressure, and
-never below the most any resource needed over the last `downscale_window_s`, which also holds the fleet at
-start until that much history is seen. Every decision is logged in words with the resource that bound it.
-A plain function of Ray Serve's AutoscalingContext (KVAutoscalingPolicy hands it its settings); its memory
-lives in policy_state.
+p99 TTFT / ITL over the last seconds exceeds the SLO); down only after `downscale_quiet_s` without pressure, and
+never below the most the sustained load (arrivals at their peak of the last minute, no forecast or backlog)
+needed over the last `downscale_window_s`, which also holds the fleet at start until that much history is
+seen. Every decision is logged in words with the resource that bound it. A plain function of Ray Serve's
+AutoscalingContext (KVAutoscalingPolicy hands it its settings); its memory lives in policy_state.
 
 The SLO: a request meets it when its TTFT (from arrival at the ingress) is within ttft_slo_s and its mean
 inter-token latency (first to last token) within itl_slo_s; bench/autoscale_sim.py scores the share that do.
@@ -43,7 +44,7 @@ ITL_MARGIN = 1.0  # size compute so the modelled step is within this fraction of
 TTFT_MARGIN = 1.0  # ... and the prompt's p99 (TAIL_FACTOR) service and queueing within this fraction of the TTFT SLO
 TAIL_FACTOR = 4.6  # p99 of an exponential-like wait is ~ln(100) x its mean
 RHO_MAX = 0.9  # never plan a replica's prefill above this share of its steps
-HISTORY_S = 600.0  # how much of the fleet's recent load the policy remembers
+HISTORY_S = 120.0  # how much of the fleet's recent arrival rates the policy remembers
 TREND_S = 60.0  # the arrival forecast's linear trend is fitted over this long
 LEVEL_S = 10.0  # ... from this recent level
 TREND_T = 3.0  # ... when its slope is this many standard errors above zero
@@ -52,7 +53,6 @@ LATENCY_WINDOW_S = 15.0  # replicas report TTFT / ITL quantiles over this long
 ARRIVAL_WINDOW_S = 5.0  # replicas report arrival rates over this long
 PEAK_WINDOW_S = 60.0  # the floor sizes for the fleet's highest arrival rate over this long
 MIN_LATENCY_SAMPLES = 8  # fewer observations than this in the window: no latency pressure from them
-MAX_CORRECTION = 6.0
 
 
 @dataclass(frozen=True)
@@ -259,9 +259,10 @@ def kvscale_policy(ctx: Any, target_utilization: float = 0.75, downscale_quiet_s
     kv_need = math.ceil(growth * demand / (target_utilization * blocks_per_replica)) if demand > 0 else 0
     compute_need, compute_why = compute_replicas(ahead, coeffs, slo, max(hi, 1))
     needed, bound = max((kv_need, "kv_memory"), (compute_need, "compute"))
-    # The floor remembers what the sustained load needed: arrivals at their recent peak rate, without the forecast or the
-    # backlog of the moment (a forecast that did not come true, or a burst's queue, must not hold replicas for a
-    # whole window); those hold only until their replicas are up and have had a quiet period to prove them wrong.
+    # The floor remembers what the sustained load needed: arrivals at their recent peak rate, without the forecast
+    # or the backlog of the moment (a forecast that did not come true, or a burst's queue, must not hold replicas
+    # for a whole window); those hold only until their replicas are up and have had a quiet period to prove them
+    # wrong.
     kv_now = math.ceil(demand / (target_utilization * blocks_per_replica)) if demand > 0 else 0
     peak_tps, peak_rps = max(((p, r) for t, p, r in history if t >= now - PEAK_WINDOW_S), default=(0.0, 0.0))
     sustained = dataclasses.replace(load, backlog_tokens=0.0, prefill_tps=max(load.prefill_tps, peak_tps),
@@ -283,7 +284,8 @@ def kvscale_policy(ctx: Any, target_utilization: float = 0.75, downscale_quiet_s
     if waiting > 0 or preempted > 0:
         pressure.append("requests wait for KV blocks or were preempted")
     if ttft_seen > slo.ttft_s:
-        pressure.append(f"observed TTFT {ttft_seen:.2f} s is over the {slo.ttft_s:g} s SLO")
+        pressure.append(f"observed TTFT {ttft_seen:.2f} s (p99, from arrival at the ingress; queued before the first "
+                        f"step up to {_max(metrics, 'queue_recent_s'):.2f} s) is over the {slo.ttft_s:g} s SLO")
     if itl_seen > slo.itl_s:
         pressure.append(f"observed ITL {itl_seen * 1e3:.0f} ms is over the {slo.itl_s * 1e3:.0f} ms SLO")
     if pressure:

@@ -146,8 +146,6 @@ class EngineServer:
                 if n_new and not first_seen:
                     self.metrics.observe("time_to_first_token_seconds", held + now - start)
                     self._ttft_window.add(now, held + now - start)
-                    if out.metrics is not None:  # arrival at the ingress to the first engine step
-                        self._queue_window.add(now, held + max(0.0, out.metrics.first_scheduled_time - start))
                     first_seen = True
                     self._num_unstarted -= 1
                 for c in out.outputs:  # each sample is its own stream: time between its own tokens
@@ -171,6 +169,8 @@ class EngineServer:
                 for c in out.outputs:  # DELTA: a sample's finish_reason comes exactly once
                     if c.finish_reason:
                         reasons[c.index] = c.finish_reason
+                if out.finished and out.metrics is not None:  # arrival at the ingress to its first engine step
+                    self._queue_window.add(now, held + max(0.0, out.metrics.first_scheduled_time - start))
                 if out.finished:  # one request, counted once, by its first sample's reason
                     reason = reasons.get(0) or next(iter(reasons.values()), "abort")
                     self.metrics.request_finished(

@@ -131,6 +131,12 @@ async def running_per_replica(c: httpx.AsyncClient, metrics_url: str) -> list[fl
                   if line.startswith("kvscale:num_requests_running{"))
 
 
+def _serving(cluster: str, app: str) -> tuple[str, ReplicaWatch]:
+    """Once the app answers: its completions URL, and a watch on its replica count."""
+    wait_until_serving([f"{cluster}/{app}/v1/models"], 300, f"the {app} app")
+    return f"{cluster}/{app}/v1/completions", ReplicaWatch(app)
+
+
 def random_prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(100, 40000) for _ in range(n)]
 
@@ -184,9 +190,7 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
                          # draining, not about the deadline.
                          "graceful_shutdown_timeout_s": 400}),
               name="kv", route_prefix="/kv", blocking=False)
-    wait_until_serving([f"{cluster}/kv/v1/models"], 300, "the autoscaling app")
-    url = f"{cluster}/kv/v1/completions"
-    watch = ReplicaWatch("kv")
+    url, watch = _serving(cluster, "kv")
     rng = random.Random(0)
     in_flight, peak = 0, 0
 
@@ -286,9 +290,7 @@ def test_scales_on_compute_when_itl_breaks_the_slo_with_kv_free(cluster):
                          "itl_slo_s": 0.06, "ttft_slo_s": 5.0, "fake_step_s": 0.02, "fake_step_s_per_token": 0.004,
                          "graceful_shutdown_timeout_s": 400}),
               name="cb", route_prefix="/cb", blocking=False)
-    wait_until_serving([f"{cluster}/cb/v1/models"], 300, "the compute-bound app")
-    url = f"{cluster}/cb/v1/completions"
-    watch = ReplicaWatch("cb")
+    url, watch = _serving(cluster, "cb")
     rng = random.Random(1)
     try:
         async def busy(until: float) -> list[dict]:

@@ -24,10 +24,12 @@ def ctx(current=1, total=100.0, demand=0.0, waiting=0.0, preempted=0.0, state=No
         "kv_total_blocks": {r: total for r in replicas}, "kv_demand_blocks": per_replica(demand),
         "num_waiting_for_kv": per_replica(waiting), "preemptions": per_replica(preempted),
         "num_requests": per_replica(requests if held is None else held),
-        **{k: per_replica(v) for k, v in (fleet or {}).items()}, **{k: {r: v for r in replicas} for k, v in (each or {}).items()}}
+        **{k: per_replica(v) for k, v in (fleet or {}).items()},
+        **{k: {r: v for r in replicas} for k, v in (each or {}).items()}}
     return AutoscalingContext(
         deployment_id=dep, deployment_name="KVEngine", app_name="app", current_num_replicas=current,
-        target_num_replicas=current if target is None else target, running_replicas=replicas, total_num_requests=requests,
+        target_num_replicas=current if target is None else target, running_replicas=replicas,
+        total_num_requests=requests,
         total_queued_requests=queued, aggregated_metrics=metrics, raw_metrics={},
         capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi, policy_state=state or {},
         last_scale_up_time=last_up, last_scale_down_time=last_down, current_time=now, config=config)
