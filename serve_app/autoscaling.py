@@ -82,7 +82,7 @@ class LatencyWindow:
             self.samples.popleft()
         if len(self.samples) < MIN_LATENCY_SAMPLES:
             return 0.0
-        values = sorted(v for _, v in self.samples)
+        values = sorted(v for _, v in list(self.samples))  # list() in one step: the event loop may be adding
         return values[min(len(values) - 1, int(q * len(values)))]
 
 
