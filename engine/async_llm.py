@@ -279,7 +279,7 @@ class AsyncLLM:
             self._release_held()
 
     def _run_once(self) -> None:
-        """Every queued command, then one step, then one published snapshot; idle, wait for a command."""
+        """Every queued command, then one step, its published snapshot, its outputs; idle, wait for a command."""
         engine = self._engine
         while True:
             try:
@@ -287,12 +287,14 @@ class AsyncLLM:
             except queue.Empty:
                 break
         frozen = self.paused in ("abort", "keep") or self.sleep_level  # no steps (keep: live requests wait)
-        if engine.has_unfinished_requests() and not frozen:
-            for out in engine.step():
-                self._deliver(out.request_id, out)
+        outputs = engine.step() if engine.has_unfinished_requests() and not frozen else []
+        # the snapshot before the outputs go out: a caller that has its last token sees its blocks back
+        self._stats = engine.stats()
+        for out in outputs:
+            self._deliver(out.request_id, out)
         if not engine.has_unfinished_requests() and (self._drain_waiters or self._waiting_update is not None):
             self._after_drain()
-        self._stats = engine.stats()
+            self._stats = engine.stats()
         if not engine.has_unfinished_requests() or frozen:
             try:
                 self._handle(self._commands.get(timeout=0.5))

@@ -150,3 +150,23 @@ def test_min_interval_merges_steps_into_fewer_outputs_and_never_holds_the_first(
     assert len(merged) <= 60 * 0.005 / 0.1 + 3 < len(every)  # ~0.3 s of steps in ~0.1 s messages
     gaps = [b - a for (a, _), (b, _) in zip(merged, merged[1:])]
     assert min(gaps) >= 0.1 - 0.01
+
+
+def test_a_caller_with_its_last_token_sees_its_blocks_back_in_the_stats(make_tiny_model):
+    """The snapshot is published before a step's outputs go out: once a request's final output arrives, stats()
+    already counts its KV blocks free (the autoscaler, router and tests read stats right after a request)."""
+    llm = AsyncLLM(model=make_tiny_model("llama"), dtype="float32", device="cpu", num_kv_blocks=40,
+                   max_model_len=256, show_progress=False, fake_step_s=0.0)
+
+    async def run(i: int) -> None:
+        params = SamplingParams(max_tokens=4, ignore_eos=True)
+        async for out in llm.generate(list(range(5, 45)), params, f"r{i}"):
+            if out.finished:
+                stats = llm.stats()
+                assert stats.num_free_blocks == stats.num_total_blocks, (i, stats.num_used_blocks)
+
+    try:
+        for i in range(40):
+            asyncio.run(run(i))
+    finally:
+        llm.shutdown()
