@@ -258,7 +258,8 @@ def kvscale_policy(ctx: Any, target_utilization: float = 0.75, downscale_quiet_s
 
     kv_need = math.ceil(growth * demand / (target_utilization * blocks_per_replica)) if demand > 0 else 0
     compute_need, compute_why = compute_replicas(ahead, coeffs, slo, max(hi, 1))
-    needed, bound = max((kv_need, "kv_memory"), (compute_need, "compute"))
+    # the resource that binds; on a tie compute (KV alone would not have asked for more)
+    needed, bound = (kv_need, "kv_memory") if kv_need > compute_need else (compute_need, "compute")
     # The floor remembers what the sustained load needed: arrivals at their recent peak rate, without the forecast
     # or the backlog of the moment (a forecast that did not come true, or a burst's queue, must not hold replicas
     # for a whole window); those hold only until their replicas are up and have had a quiet period to prove them
