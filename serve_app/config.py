@@ -60,7 +60,8 @@ class ServeConfig(BaseModel):
     downscale_quiet_s: float = Field(30.0, ge=0.0, description="Scale down only after this long without "
                                                                "pressure (requests waiting for KV, preemptions, "
                                                                "observed latency over the SLO).")
-    downscale_window_s: float = Field(900.0, ge=0.0, description="Never scale below the most replicas any resource "
+    downscale_window_s: float = Field(900.0, ge=0.0, description="Never scale below the most replicas the sustained "
+                                                                 "load (arrivals at their peak of the last minute) "
                                                                  "needed over this long (and hold the fleet this long "
                                                                  "after start): bursts that recur within it find "
                                                                  "their replicas up.")
