@@ -11,16 +11,20 @@ Every Ray control tick the policy works out how many replicas each resource need
   t = (c0 + c1 b + c2 k) / (1 - c1 p) (b sequences and k KV tokens per replica, p prompt tokens/s per replica,
   prefill chunks sharing the steps), at most a full token budget's step. The fewest r with t within the ITL
   SLO, a mean prompt's service plus its p99 queueing wait (M/D/1) within the TTFT SLO, and the prompt tokens
-  already queued computed within it too.
+  already queued computed within it too (what the replicas running now cannot compute before a new one is up:
+  a replica asked for now helps only after its start-up).
 - **Arrivals**: the fleet's arrival rate (requests and prompt tokens per second, measured at the replicas)
   is forecast over the replica start-up time (learned from this deployment's own scale-ups) by a linear
   trend over the last minute, when the trend stands out of the noise; KV and compute are sized for it.
 
-Up at once (a replica more per `pressure_settle_s` when requests wait for KV, are preempted, or the observed
-p99 TTFT / ITL over the last seconds exceeds the SLO); down only after `downscale_quiet_s` without pressure, and
-never below the most the sustained load (arrivals at their peak of the last minute, no forecast or backlog)
-needed over the last `downscale_window_s`, which also holds the fleet at start until that much history is
-seen. Every decision is logged in words with the resource that bound it. A plain function of Ray Serve's
+Up at once (a replica more per `pressure_settle_s` when requests wait for KV, are preempted, the observed p99
+ITL exceeds the SLO, or the observed p99 TTFT has exceeded it for a latency window); down only after
+`downscale_quiet_s` without pressure, and never below the most the sustained load needed over the last
+`downscale_window_s` (which also holds the fleet at start until that much history is seen). The sustained need:
+KV now, compute at the last minute's mean arrival rate, and the bursts of the last two minutes replayed through
+a fluid queue at r replicas' prefill rate, the fewest r whose worst queueing stays within the TTFT SLO (a loose
+SLO lets a burst queue and costs fewer replicas than a tight one); not the forecast or the backlog of the moment,
+which hold only until their replicas are up and a quiet period has passed. Every decision is logged in words with the resource that bound it. A plain function of Ray Serve's
 AutoscalingContext (KVAutoscalingPolicy hands it its settings); its memory lives in policy_state.
 
 The SLO: a request meets it when its TTFT (from arrival at the ingress) is within ttft_slo_s and its mean
@@ -51,7 +55,8 @@ TREND_T = 3.0  # ... when its slope is this many standard errors above zero
 MAX_GROWTH = 4.0  # a forecast never asks for more than this multiple of today's load
 LATENCY_WINDOW_S = 15.0  # replicas report TTFT / ITL quantiles over this long
 ARRIVAL_WINDOW_S = 5.0  # replicas report arrival rates over this long
-PEAK_WINDOW_S = 60.0  # the floor sizes for the fleet's highest arrival rate over this long
+SUSTAINED_WINDOW_S = 60.0  # the floor sizes for the fleet's mean arrival rate over this long (and its bursts)
+BREACH_PERSIST_S = LATENCY_WINDOW_S  # an observed TTFT breach asks for a replica once it has lasted this long
 MIN_LATENCY_SAMPLES = 8  # fewer observations than this in the window: no latency pressure from them
 
 
@@ -157,19 +162,26 @@ def modelled_latency(load: FleetLoad, coeffs: tuple[float, float, float], r: int
     return rho, step, service, TAIL_FACTOR * rho * service / (2 * (1 - rho))
 
 
-def compute_replicas(load: FleetLoad, coeffs: tuple[float, float, float], slo: SLO, limit: int) -> tuple[int, str]:
+def compute_replicas(load: FleetLoad, coeffs: tuple[float, float, float], slo: SLO, limit: int,
+                     ready: int = 0, startup_s: float = 0.0) -> tuple[int, str]:
     """The fewest replicas whose modelled step time meets the ITL target, whose prompt service plus queueing
     tail meets the TTFT target, and that compute the prompt tokens already queued (backlog) within the TTFT
-    target, for this load; with the reason in words for the decision log."""
+    target, for this load; with the reason in words for the decision log. A replica asked for now serves only
+    after startup_s: the `ready` replicas compute the backlog until then, and only what they leave counts."""
     if all(c <= 0 for c in coeffs) or load.running <= 0 and load.prefill_tps <= 0 and load.backlog_tokens <= 0:
         return 0, "no load"
     itl_target, ttft_target = ITL_MARGIN * slo.itl_s, TTFT_MARGIN * slo.ttft_s
+    backlog = load.backlog_tokens
+    if ready > 0 and backlog > 0:
+        rho_now = min(modelled_latency(load, coeffs, ready)[0], RHO_MAX)
+        backlog -= ready * startup_s * (1 - rho_now) / max(coeffs[1], 1e-12)
     why = ""
     for r in range(1, limit + 1):
         rho, step, service, wait = modelled_latency(load, coeffs, r)
-        drain = coeffs[1] * load.backlog_tokens / r / max(1e-9, 1 - min(rho, RHO_MAX))
+        drain = coeffs[1] * max(0.0, backlog) / r / max(1e-9, 1 - min(rho, RHO_MAX))
         if drain > ttft_target:
-            why = f"the {load.backlog_tokens:.0f} queued prompt tokens would take {drain:.2f} s to compute"
+            why = (f"the {load.backlog_tokens:.0f} queued prompt tokens would take {drain:.2f} s to compute"
+                   + (f" after the {startup_s:.0f} s a new replica takes to start" if ready > 0 else ""))
             continue
         if rho >= RHO_MAX:
             why = f"prefill would take {rho:.0%} of each replica's time"
@@ -184,6 +196,30 @@ def compute_replicas(load: FleetLoad, coeffs: tuple[float, float, float], slo: S
             continue
         return r, (f"at {r - 1} replica(s) {why}" if r > 1 and why else "fits")
     return limit, f"at {limit} replicas {why}"
+
+
+def burst_replicas(history: list[tuple[float, float, float]], load: FleetLoad, coeffs: tuple[float, float, float],
+                   slo: SLO, limit: int) -> int:
+    """The fewest replicas that would have computed every burst of the remembered prompt-token arrivals
+    (history) within the TTFT target: a fluid queue replayed over the history, each replica computing prompt
+    tokens at its full-step rate (a token budget a step, less the running decodes)."""
+    c0, c1, c2 = coeffs
+    if c1 <= 0 or len(history) < 2:
+        return 0
+    budget_tokens = min(load.token_budget, 8192.0)
+    mean_prompt = load.prefill_tps / load.arrival_rps if load.arrival_rps > 0 else 0.0
+    for r in range(1, limit + 1):
+        b, k = load.running / r, load.running_tokens / r
+        cap = r * max(budget_tokens - b, 1.0) / (c0 + c1 * budget_tokens + c2 * k)
+        service = c0 + c1 * mean_prompt + c2 * k
+        allowed = max(TTFT_MARGIN * slo.ttft_s - service, 0.25 * TTFT_MARGIN * slo.ttft_s)
+        queue = worst = 0.0
+        for (t0, _, _), (t1, p, _) in zip(history, history[1:]):
+            queue = max(0.0, queue + (p - cap) * (t1 - t0))
+            worst = max(worst, queue / cap)
+        if worst <= allowed:
+            return r
+    return limit
 
 
 def forecast_growth(history: list[tuple[float, float, float]], now: float, horizon_s: float) -> float:
@@ -257,18 +293,20 @@ def kvscale_policy(ctx: Any, target_utilization: float = 0.75, downscale_quiet_s
     ttft_seen, itl_seen = _max(metrics, "ttft_recent_s"), _max(metrics, "itl_recent_s")
 
     kv_need = math.ceil(growth * demand / (target_utilization * blocks_per_replica)) if demand > 0 else 0
-    compute_need, compute_why = compute_replicas(ahead, coeffs, slo, max(hi, 1))
+    compute_need, compute_why = compute_replicas(ahead, coeffs, slo, max(hi, 1), current, startup)
     # the resource that binds; on a tie compute (KV alone would not have asked for more)
     needed, bound = (kv_need, "kv_memory") if kv_need > compute_need else (compute_need, "compute")
-    # The floor remembers what the sustained load needed: arrivals at their recent peak rate, without the forecast
-    # or the backlog of the moment (a forecast that did not come true, or a burst's queue, must not hold replicas
-    # for a whole window); those hold only until their replicas are up and have had a quiet period to prove them
-    # wrong.
+    # The floor remembers what the sustained load needed: arrivals at their mean rate of the last minute (random
+    # queueing), and the bursts of the remembered history computed within the TTFT SLO (a fluid replay: a looser
+    # SLO lets a burst queue, a tight one needs its peak); not the forecast or the backlog of the moment (a
+    # forecast that did not come true, or a burst's queue, must not hold replicas for a whole window): those hold
+    # only until their replicas are up and have had a quiet period to prove them wrong.
     kv_now = math.ceil(demand / (target_utilization * blocks_per_replica)) if demand > 0 else 0
-    peak_tps, peak_rps = max(((p, r) for t, p, r in history if t >= now - PEAK_WINDOW_S), default=(0.0, 0.0))
-    sustained = dataclasses.replace(load, backlog_tokens=0.0, prefill_tps=max(load.prefill_tps, peak_tps),
-                                    arrival_rps=max(load.arrival_rps, peak_rps))
-    needed_now = max(kv_now, compute_replicas(sustained, coeffs, slo, max(hi, 1))[0])
+    recent = [(p, r) for t, p, r in history if t >= now - SUSTAINED_WINDOW_S]
+    sustained = dataclasses.replace(load, backlog_tokens=0.0, prefill_tps=sum(p for p, _ in recent) / len(recent),
+                                    arrival_rps=sum(r for _, r in recent) / len(recent))
+    needed_now = max(kv_now, compute_replicas(sustained, coeffs, slo, max(hi, 1))[0],
+                     burst_replicas(history, load, coeffs, slo, max(hi, 1)))
     floor = max(_note_need(state, now, needed_now, window_s),
                 _note_need(state, now, needed, startup + downscale_quiet_s, key="transient_needs"))
     look = {"demand": demand, "needed": needed, "kv_need": kv_need, "compute_need": compute_need,
@@ -284,7 +322,13 @@ def kvscale_policy(ctx: Any, target_utilization: float = 0.75, downscale_quiet_s
     pressure = []
     if waiting > 0 or preempted > 0:
         pressure.append("requests wait for KV blocks or were preempted")
+    # An observed TTFT breach counts once it has lasted a latency window: a short burst's misses leave the window
+    # within it, and a replica asked for then would serve only after the burst (a start-up later).
     if ttft_seen > slo.ttft_s:
+        state.setdefault("breach_since", now)
+    else:
+        state.pop("breach_since", None)
+    if ttft_seen > slo.ttft_s and now - state["breach_since"] >= BREACH_PERSIST_S:
         pressure.append(f"observed TTFT {ttft_seen:.2f} s (p99, from arrival at the ingress; queued before the first "
                         f"step up to {_max(metrics, 'queue_recent_s'):.2f} s) is over the {slo.ttft_s:g} s SLO")
     if itl_seen > slo.itl_s:

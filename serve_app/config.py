@@ -61,10 +61,10 @@ class ServeConfig(BaseModel):
                                                                "pressure (requests waiting for KV, preemptions, "
                                                                "observed latency over the SLO).")
     downscale_window_s: float = Field(900.0, ge=0.0, description="Never scale below the most replicas the sustained "
-                                                                 "load (arrivals at their peak of the last minute) "
-                                                                 "needed over this long (and hold the fleet this long "
-                                                                 "after start): bursts that recur within it find "
-                                                                 "their replicas up.")
+                                                                 "load needed over this long (its mean rate, and its "
+                                                                 "bursts computed within the TTFT SLO), and hold the "
+                                                                 "fleet this long after start: bursts that recur "
+                                                                 "within it find their replicas up.")
     ttft_slo_s: float | None = Field(None, gt=0.0, description="Time-to-first-token SLO (from arrival at the ingress) "
                                                                "the autoscaler sizes for, met by 99 % of requests; "
                                                                "None: 1 s on a GPU, 5 s on a CPU.")

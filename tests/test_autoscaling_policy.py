@@ -251,6 +251,35 @@ def test_prefill_load_sizes_for_the_ttft_slo():
     assert tight > r  # a tighter TTFT SLO needs more replicas for the same load
 
 
+def test_a_backlog_the_running_replicas_clear_before_a_new_one_is_up_asks_for_none():
+    """40k queued prompt tokens at 20 us each: 0.8 s of one replica's time. With a 0.5 s TTFT target a cold
+    fleet needs 2 to compute them in time; a running replica computes them long before a replica asked for now
+    would start (60 s), so it asks for none; a backlog that outlasts the start-up still counts."""
+    from serve_app.autoscaling import FleetLoad, SLO as Slo, compute_replicas
+
+    coeffs, slo = (0.010, 20e-6, 10e-9), Slo(0.5, 0.05)
+    load = FleetLoad(running=1.0, running_tokens=100.0, prefill_tps=0.0, arrival_rps=0.0, backlog_tokens=40_000.0)
+    assert compute_replicas(load, coeffs, slo, 32)[0] == 2
+    assert compute_replicas(load, coeffs, slo, 32, ready=1, startup_s=60.0)[0] == 1
+    huge = FleetLoad(running=1.0, running_tokens=100.0, prefill_tps=0.0, arrival_rps=0.0, backlog_tokens=4e6)
+    assert compute_replicas(huge, coeffs, slo, 32, ready=1, startup_s=60.0)[0] > 1
+
+
+def test_the_floor_keeps_what_recent_bursts_need_within_the_ttft_slo():
+    """A 10 s burst of 200k prompt tokens/s in a quiet minute (20 us a token, 8k-token steps: ~48k tokens/s a
+    replica): to compute it within a 1 s TTFT SLO takes its peak (5 replicas); within 10 s it may queue, and
+    fewer do. The mean rate alone would keep one."""
+    from serve_app.autoscaling import FleetLoad, SLO as Slo, burst_replicas
+
+    history = [(float(t), 200_000.0 if 30 <= t < 40 else 1_000.0, 1.0) for t in range(120)]
+    load = FleetLoad(running=1.0, running_tokens=1000.0, prefill_tps=1_000.0, arrival_rps=1.0, token_budget=8192)
+    coeffs = (0.010, 20e-6, 10e-9)
+    tight = burst_replicas(history, load, coeffs, Slo(1.0, 0.05), 32)
+    loose = burst_replicas(history, load, coeffs, Slo(10.0, 0.05), 32)
+    assert tight >= 4 and 1 < loose < tight
+    assert burst_replicas([(float(t), 1_000.0, 1.0) for t in range(120)], load, coeffs, Slo(1.0, 0.05), 32) == 1
+
+
 def test_rising_arrivals_scale_up_before_the_load_lands():
     """Prompt tokens/s doubling over the last minute, with a 60 s start-up: the policy sizes for the forecast."""
     state, d = {}, 1
@@ -267,8 +296,21 @@ def test_rising_arrivals_scale_up_before_the_load_lands():
 
 
 def test_observed_latency_over_the_slo_adds_a_replica():
+    """A TTFT breach asks for a replica once it has lasted a latency window (a short burst's misses leave the
+    window sooner, and a replica asked for then would serve after the burst); an ITL breach at once."""
+    from serve_app.autoscaling import BREACH_PERSIST_S
+
     d, state = kvscale_policy(ctx(current=2, demand=10.0, each={"ttft_recent_s": 1.6}), **SLO)
+    assert d == 2
+    d, state = kvscale_policy(ctx(current=2, demand=10.0, each={"ttft_recent_s": 1.6}, now=100.0 + BREACH_PERSIST_S,
+                                  state=state), **SLO)
     assert d == 3 and state["decisions"] == {"up:slo_pressure": 1}
+    # a breach that ended in between starts over
+    _, state = kvscale_policy(ctx(current=2, demand=10.0, each={"ttft_recent_s": 1.6}), **SLO)
+    _, state = kvscale_policy(ctx(current=2, demand=10.0, now=105.0, state=state), **SLO)
+    d, _ = kvscale_policy(ctx(current=2, demand=10.0, each={"ttft_recent_s": 1.6}, now=100.0 + BREACH_PERSIST_S,
+                              state=state), **SLO)
+    assert d == 2
     d, _ = kvscale_policy(ctx(current=2, demand=10.0, each={"itl_recent_s": 0.08}), **SLO)
     assert d == 3
     d, _ = kvscale_policy(ctx(current=2, demand=10.0, each={"ttft_recent_s": 0.5, "itl_recent_s": 0.04}), **SLO)
