@@ -706,9 +706,11 @@ def summarize(trace: str, ttft_slo: float, rows: list[dict[str, Any]], target: f
             continue
         cheapest = min(ok, key=lambda r: r["replica_seconds"])
         margin = 1 - ours["replica_seconds"] / cheapest["replica_seconds"]
+        verdict = ("the same cost" if round(ours["replica_seconds"]) == round(cheapest["replica_seconds"]) else
+                   f"{abs(margin):.1%} {'cheaper' if margin > 0 else 'dearer'}")
         lines.append(f"{policy}: cheapest setting at >= {target:.0%} is {cheapest['setting']} with "
                      f"{cheapest['replica_seconds']:.0f} replica-s ({cheapest['slo_attainment']:.2%}): kvscale "
-                     f"{abs(margin):.1%} {'cheaper' if margin >= 0 else 'dearer'}")
+                     f"{verdict}")
     return lines
 
 

@@ -24,8 +24,9 @@ ITL exceeds the SLO, or the observed p99 TTFT has exceeded it for a latency wind
 KV now, compute at the last minute's mean arrival rate, and the bursts of the last two minutes replayed through
 a fluid queue at r replicas' prefill rate, the fewest r whose worst queueing stays within the TTFT SLO (a loose
 SLO lets a burst queue and costs fewer replicas than a tight one); not the forecast or the backlog of the moment,
-which hold only until their replicas are up and a quiet period has passed. Every decision is logged in words with the resource that bound it. A plain function of Ray Serve's
-AutoscalingContext (KVAutoscalingPolicy hands it its settings); its memory lives in policy_state.
+which hold only until their replicas are up and a quiet period has passed. Every decision is logged in words
+with the resource that bound it. A plain function of Ray Serve's AutoscalingContext (KVAutoscalingPolicy hands it
+its settings); its memory lives in policy_state.
 
 The SLO: a request meets it when its TTFT (from arrival at the ingress) is within ttft_slo_s and its mean
 inter-token latency (first to last token) within itl_slo_s; bench/autoscale_sim.py scores the share that do.

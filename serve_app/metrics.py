@@ -128,22 +128,25 @@ class ReplicaMetrics:
         self.histograms[name].observe(value, times)
 
     def request_finished(self, reason: str, *, n: int, max_tokens: int, num_prompt_tokens: int, held: float,
-                         start: float, end: float, metrics: Any | None) -> None:
+                         start: float, end: float, metrics: Any | None) -> float | None:
         """One finished request. held: seconds it spent before reaching this replica; start/end: when it reached
         the replica and when its last output came (monotonic); metrics: the engine's RequestMetrics (None when
-        it ended before a first token)."""
+        it ended before a first token). Returns its queue time (arrival at the ingress to its first engine step),
+        None without metrics."""
         self.finished[reason] = self.finished.get(reason, 0) + 1
         self.observe("e2e_request_latency_seconds", held + end - start)
         self.observe("request_params_n", n)
         self.observe("request_params_max_tokens", max_tokens)
         self.observe("request_prompt_tokens", num_prompt_tokens)
         if metrics is None:
-            return
+            return None
+        queue_s = held + max(0.0, metrics.first_scheduled_time - start)
         self.observe("request_generation_tokens", metrics.num_generation_tokens)
-        self.observe("request_queue_time_seconds", held + max(0.0, metrics.first_scheduled_time - start))
+        self.observe("request_queue_time_seconds", queue_s)
         self.observe("request_prefill_time_seconds", metrics.prefill_time)
         self.observe("request_decode_time_seconds", metrics.decode_time)
         self.observe("request_inference_time_seconds", metrics.inference_time)
+        return queue_s
 
     def snapshot(self, stats: Any, *, cache_config: dict[str, str], max_model_len: int,
                  healthy: bool) -> dict[str, Any]:

@@ -136,8 +136,7 @@ class EngineServer:
         held = max(0.0, time.time() - req.arrival_time) if req.arrival_time else 0.0
         last, first_seen, sent_prompt = start, False, False
         reasons: dict[int, str] = {}
-        sample_last: dict[int, float] = {}  # per sample: when its latest tokens arrived
-        sample_first: dict[int, tuple[float, int]] = {}  # per sample: when its first tokens came, and the tokens since
+        samples: dict[int, tuple[float, float | None, int]] = {}  # per sample: first and latest token times, count
         self._num_unstarted += 1
         try:
             async for out in self.llm.generate(prompt, params, request_id, self.config.stream_interval_s):
@@ -152,13 +151,12 @@ class EngineServer:
                     if not c.token_ids:
                         continue
                     k = len(c.token_ids)
-                    if c.index in sample_last:
-                        self.metrics.observe("inter_token_latency_seconds", (now - sample_last[c.index]) / k, k)
+                    first_at, latest, count = samples.get(c.index, (now, None, 0))
+                    if latest is not None:
+                        self.metrics.observe("inter_token_latency_seconds", (now - latest) / k, k)
                     elif k > 1:  # its first token starts its clock; the rest came within this interval
                         self.metrics.observe("inter_token_latency_seconds", (now - last) / k, k - 1)
-                    sample_last[c.index] = now
-                    first_at, count = sample_first.get(c.index, (now, 0))
-                    sample_first[c.index] = (first_at, count + k)
+                    samples[c.index] = (first_at, now, count + k)
                     if c.finish_reason and count + k > 1:  # the sample's mean ITL, as the SLO counts it
                         self._itl_window.add(now, (now - first_at) / (count + k - 1))
                 last = now
@@ -169,14 +167,14 @@ class EngineServer:
                 for c in out.outputs:  # DELTA: a sample's finish_reason comes exactly once
                     if c.finish_reason:
                         reasons[c.index] = c.finish_reason
-                if out.finished and out.metrics is not None:  # arrival at the ingress to its first engine step
-                    self._queue_window.add(now, held + max(0.0, out.metrics.first_scheduled_time - start))
                 if out.finished:  # one request, counted once, by its first sample's reason
                     reason = reasons.get(0) or next(iter(reasons.values()), "abort")
-                    self.metrics.request_finished(
+                    queue_s = self.metrics.request_finished(
                         reason, n=params.n, max_tokens=params.max_tokens or self.llm.max_model_len - len(
                             out.prompt_token_ids), num_prompt_tokens=len(out.prompt_token_ids), held=held, start=start,
                         end=now, metrics=out.metrics)
+                    if queue_s is not None:  # arrival at the ingress to its first engine step
+                        self._queue_window.add(now, queue_s)
         except ValueError as e:
             yield ErrorMessage.of(_refusal(str(e), req.kind))
         except EnginePaused as e:
