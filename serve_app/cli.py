@@ -17,6 +17,9 @@ DEFAULT_CONFIG = Path(__file__).with_name("config.yaml")
 
 def serve(argv: list[str]) -> int:
     """`serve run` on the config, so every `serve run` option works; returns its exit status."""
+    # Ray starts actors at nice 15 unless told otherwise, so the engine replicas would yield the cores to every
+    # other process on the machine (a client, the raylet); a Ray this command starts runs them at nice 0.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     config = argv[0] if argv and not argv[0].startswith("-") else str(DEFAULT_CONFIG)
     rest = argv[1:] if argv and not argv[0].startswith("-") else argv
     if not Path(config).exists():
