@@ -40,7 +40,7 @@ logger = logging.getLogger("ray.serve")
 class EngineServer:
     def __init__(self, config: ServeConfig | dict) -> None:
         self.config = config if isinstance(config, ServeConfig) else ServeConfig(**config)
-        _engine_priority()  # before the engine thread (and torch's threads) start: they inherit it
+        _check_priority()
         # Ray sets OMP_NUM_THREADS to the actor's num_cpus (1 by default), which would leave a CPU engine on one
         # core; the engine is the replica's work, so it gets the cores unless the config says otherwise.
         threads = self.config.torch_threads or (len(os.sched_getaffinity(0)) if self.config.engine_num_gpus == 0 else 0)
@@ -247,21 +247,20 @@ class EngineServer:
         self.llm.shutdown()
 
 
-def _engine_priority() -> None:
-    """Ray starts actor processes at nice 15 (its worker_niceness), where the engine yields the cores to anything
-    else on the machine, a load generator or Ray's own daemons: measured on 2 cores, 74.5 tok/s served at nice 15
-    against 91.1 at nice 0 (README: Performance). Back to 0 for this thread and the threads it starts, where the
-    OS allows it; otherwise say how to start Ray so."""
+def _check_priority() -> None:
+    """Ray starts actor processes at nice 15 (its worker_niceness) unless RAY_worker_niceness=0 is in the
+    environment Ray started with; then the engine yields the cores to anything else on the machine, a load
+    generator or Ray's own daemons (measured on 2 cores: 74.5 tok/s served at nice 15 against 91.1 at nice 0,
+    README: Performance). Not changed here: raised alone, the engine would outrank its own proxy and ingress,
+    which run at Ray's niceness too. Says how to start Ray instead."""
     try:
         nice = os.getpriority(os.PRIO_PROCESS, 0)
-        if nice > 0:
-            os.setpriority(os.PRIO_PROCESS, 0, 0)
-    except PermissionError:
-        logger.warning(f"kvscale: this engine replica runs at nice {nice} (Ray's worker_niceness) and may not lower "
-                       "it, so it yields the CPU to every other process; start Ray with RAY_worker_niceness=0 in its "
-                       "environment (`kvscale serve` and scripts/serve.sh do) for full speed")
-    except OSError:  # no priorities on this platform: nothing to do
-        pass
+    except OSError:  # no priorities on this platform
+        return
+    if nice > 0:
+        logger.warning(f"kvscale: this engine replica runs at nice {nice} (Ray's worker_niceness), so it yields the "
+                       "CPU to every other process on the machine; start Ray with RAY_worker_niceness=0 in its "
+                       "environment for full speed (`kvscale serve` and scripts/serve.sh do)")
 
 
 def _choice(c: CompletionOutput, top_k: int | None) -> ChoiceDelta:

@@ -93,29 +93,15 @@ def test_kvscale_serve_from_the_wheel_serves_the_default_model(installed, tmp_pa
 
 def test_kvscale_serve_runs_the_engine_at_normal_priority(monkeypatch, tmp_path):
     """Ray starts actors at nice 15, where the engine replica yields the cores to every other process; `kvscale
-    serve` starts its Ray with RAY_worker_niceness=0 unless the user set it, and the replica lowers its own."""
+    serve` starts its Ray with RAY_worker_niceness=0 unless the user set it."""
     import os
 
     from serve_app import cli
-    from serve_app.server import _engine_priority
 
-    monkeypatch.delenv("RAY_worker_niceness", raising=False)
+    monkeypatch.setenv("RAY_worker_niceness", "x")  # registered, so the test leaves the environment as it was
+    monkeypatch.delenv("RAY_worker_niceness")
     assert cli.serve([str(tmp_path / "missing.yaml")]) == 2  # no config: refused before Ray starts
     assert os.environ["RAY_worker_niceness"] == "0"
     monkeypatch.setenv("RAY_worker_niceness", "5")
     cli.serve([str(tmp_path / "missing.yaml")])
     assert os.environ["RAY_worker_niceness"] == "5"  # the user's choice stands
-
-    import threading
-
-    seen = []
-
-    def at_nice_15():
-        os.setpriority(os.PRIO_PROCESS, 0, 15)  # this thread only (Linux): what Ray gives an actor
-        _engine_priority()
-        seen.append(os.getpriority(os.PRIO_PROCESS, 0))
-
-    t = threading.Thread(target=at_nice_15)
-    t.start()
-    t.join()
-    assert seen == [0] or os.geteuid() != 0  # an unprivileged user may not lower it: the replica warns instead
