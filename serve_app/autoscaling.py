@@ -207,12 +207,11 @@ def burst_replicas(history: list[tuple[float, float, float]], load: FleetLoad, c
     c0, c1, c2 = coeffs
     if c1 <= 0 or len(history) < 2:
         return 0
-    budget_tokens = min(load.token_budget, 8192.0)
-    mean_prompt = load.prefill_tps / load.arrival_rps if load.arrival_rps > 0 else 0.0
+    budget_tokens = min(load.token_budget, 8192.0)  # no budget reported: a large prefill chunk
     for r in range(1, limit + 1):
         b, k = load.running / r, load.running_tokens / r
         cap = r * max(budget_tokens - b, 1.0) / (c0 + c1 * budget_tokens + c2 * k)
-        service = c0 + c1 * mean_prompt + c2 * k
+        service = modelled_latency(load, coeffs, r)[2]  # a mean prompt's own compute
         allowed = max(TTFT_MARGIN * slo.ttft_s - service, 0.25 * TTFT_MARGIN * slo.ttft_s)
         queue = worst = 0.0
         for (t0, _, _), (t1, p, _) in zip(history, history[1:]):
