@@ -176,8 +176,9 @@ def start_server(name: str, log_dir: Path):
                  f"{' --ray-serve-llm' if name == 'ray-serve-llm' else ''}`")
     # vLLM: 2 GiB of KV (more than these requests can hold), and every core (it would drop to one "for serving")
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
-    if name == "kvscale":
+    if name == "kvscale":  # as scripts/serve.sh and `kvscale serve` start it: Ray's actors at nice 0, not 15
         cmd = ["serve", "run", str(ROOT / "serve_app" / "config.yaml")]
+        env["RAY_worker_niceness"] = env.get("RAY_worker_niceness", "0")
         url = "http://127.0.0.1:8000"
     elif name == "vllm":  # `python -m`: the `vllm` CLI looks for a distribution named vllm, this one is vllm-cpu
         cmd = [str(PEERS_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", default_model_dir(),

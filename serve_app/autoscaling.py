@@ -271,11 +271,13 @@ def kvscale_policy(ctx: Any, target_utilization: float = 0.75, downscale_quiet_s
     blocks_per_replica = sum(totals.values()) / len(totals)
     demand = total("kv_demand_blocks")
     # Requests the router holds back (no replica has room) wait in the callers: count them at the mean
-    # projected size of the requests the replicas hold.
+    # projected size of the requests the replicas hold. Where the replicas hold none, every one has room and the
+    # router holds nothing back: the queued ones are in transit, and the replicas' next report counts them (a
+    # guessed size here once scaled a fleet of 3-block chats on KV memory).
     queued = _value(ctx.total_queued_requests)
-    if queued > 0:
-        held = total("num_requests")
-        demand += queued * (demand / held if held > 0 and demand > 0 else blocks_per_replica / 4)
+    held = total("num_requests")
+    if queued > 0 and held > 0:
+        demand += queued * demand / held
     arrivals = total("arrival_rps")
     mean_prompt = total("arrival_prompt_tps") / arrivals if arrivals > 0 else 0.0
     budgets = [v for v in (metrics.get("step_token_budget") or {}).values() if v > 0]

@@ -52,6 +52,13 @@ def test_requests_held_in_the_callers_count_as_demand():
     assert kvscale_policy(ctx(demand=60.0, held=4, queued=0))[0] == 1
 
 
+def test_requests_in_transit_to_idle_replicas_are_not_guessed_into_kv_demand():
+    # 16 requests just left the callers and the replica has not reported them yet: it holds none, so it has room
+    # and the router holds nothing back; its next report counts them at their real size
+    d, state = kvscale_policy(ctx(demand=0.0, held=0, queued=16))
+    assert d == 1 and state["last_look"]["kv_need"] == 0
+
+
 def test_pressure_adds_one_replica_per_settle_period():
     # a replica is still starting (target 3, running 2): ask for the same 3, not a 4th
     assert kvscale_policy(ctx(current=2, target=3, demand=10.0, waiting=1, last_up=95.0))[0] == 3
