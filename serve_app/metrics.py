@@ -54,6 +54,9 @@ COUNTERS = {  # rendered with prometheus' _total suffix
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache.",
     "prefix_cache_hits": "Prompt tokens found in the prefix cache.",
     "request_success": "Requests that ended, labelled by finish reason (one per request, whatever n).",
+    "engine_steps": "Engine steps run (one forward of the running batch each).",
+    "engine_step_seconds": "Wall time spent in engine steps (schedule, forward, sample, outputs); its rate is the "
+                           "share of the time the engine computes, 1 when it never waits for work.",
 }
 # name -> (help, buckets); the replica's server observes these (iteration_tokens_total: the engine counts it)
 HISTOGRAMS = {
@@ -169,7 +172,8 @@ class ReplicaMetrics:
                          "prompt_tokens": stats.num_prompt_tokens_total,
                          "generation_tokens": stats.num_generation_tokens_total,
                          "prefix_cache_queries": stats.prefix_cache_queried_tokens,
-                         "prefix_cache_hits": stats.prefix_cache_hit_tokens},
+                         "prefix_cache_hits": stats.prefix_cache_hit_tokens,
+                         "engine_steps": stats.num_steps_total, "engine_step_seconds": stats.step_seconds_total},
             "histograms": histograms,
             "finished": dict(self.finished),
             "cache_config": cache_config,

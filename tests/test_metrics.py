@@ -76,6 +76,8 @@ def test_metrics_text_parses_with_every_series_and_the_model_label(llm):
     assert by[("kvscale:request_generation_tokens_sum", "r1", None)] == 12
     assert by[("kvscale:request_queue_time_seconds_sum", "r1", None)] >= 0.25  # held before the replica counts
     assert by[("kvscale:iteration_tokens_total_count", "r1", None)] == llm.stats().num_steps_total
+    assert by[("kvscale:engine_steps_total", "r1", None)] == llm.stats().num_steps_total > 0
+    assert 0 < by[("kvscale:engine_step_seconds_total", "r1", None)] == llm.stats().step_seconds_total
     version = next(s for s in samples if s.name == "kvscale:model_version_info")
     assert version.labels["version"] == "0" and version.labels["sleep_level"] == "0"  # no policy pushed: the checkpoint
     info = next(s for s in samples if s.name == "kvscale:cache_config_info")
