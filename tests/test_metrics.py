@@ -107,6 +107,11 @@ def test_the_policy_counts_each_decision_once_by_direction_and_reason():
     for now in (100.0, 101.0, 102.0):  # the same answer on every call while Ray waits to apply it
         desired, state = kvscale_policy(ctx(current=1, demand=160.0, state=state, now=now))
     assert desired == 3 and state["decisions"] == {"up:kv_memory": 1}
+    # the need dips while the two replicas start (the policy holds them), then comes back: the same scale-up
+    desired, state = kvscale_policy(ctx(current=1, target=3, demand=10.0, state=state, now=102.5))
+    assert desired == 3
+    desired, state = kvscale_policy(ctx(current=1, target=3, demand=160.0, state=state, now=102.8))
+    assert desired == 3 and state["decisions"] == {"up:kv_memory": 1}
     desired, state = kvscale_policy(ctx(current=3, demand=160.0, state=state, now=103.0))
     assert desired == 3  # steady
     desired, state = kvscale_policy(ctx(current=3, demand=10.0, waiting=2, state=state, now=200.0,
