@@ -361,10 +361,10 @@ def kvscale_policy(ctx: Any, target_utilization: float = 0.75, downscale_quiet_s
     if floor < current and now - quiet_since >= downscale_quiet_s:
         return _decide(clamp(floor), current, "quiet", f"quiet for {downscale_quiet_s:.0f} s and the most needed over "
                        f"the last {window_s:.0f} s is {floor}: {need_words}", state)
-    held = clamp(max(current, keep))
-    if held == current:  # nothing pending: a later change, even the same as an earlier one, is a new decision
+    holding = clamp(max(current, keep))
+    if holding == current:  # nothing pending: a later change, even the same as an earlier one, is a new decision
         state["last_logged"] = None
-    return held, state
+    return holding, state
 
 
 def _note_need(state: dict[str, Any], now: float, needed: int, window_s: float, key: str = "needs") -> int:
