@@ -37,22 +37,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--offset", type=int, default=3000)
     args = ap.parse_args()
-    from engine import LLM, SamplingParams
-
     trace = replay.load_trace("conv", 48, args.offset, 2.0, 512, 64)
     prompts = replay.make_prompts(trace)
     print(replay.machine_ceilings())
     share = args.busy_ms / (args.busy_ms + args.period_ms)
     # no prefix caching: every round computes the same prompts from scratch
-    llm = LLM(model="default", max_num_seqs=256, max_num_batched_tokens=2048, enable_prefix_caching=False,
-              show_progress=False)
-    params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, _, out in trace]
-    llm.generate(prompts[:4], params[:4])  # warm-up
+    llm, params = replay.offline_engine(trace, prompts, enable_prefix_caching=False)
     for _ in range(args.rounds):
         for beside in (False, True):
             stop = mp.Event()
-            proc = mp.Process(target=neighbour, args=(args.busy_ms / 1e3, args.period_ms / 1e3, stop))
             if beside:
+                proc = mp.Process(target=neighbour, args=(args.busy_ms / 1e3, args.period_ms / 1e3, stop))
                 proc.start()
             cpu0 = time.process_time()
             start = time.perf_counter()

@@ -11,7 +11,7 @@ the given length, decoded to text with the default model's tokenizer (the same p
 
 --compare starts each system in turn on this machine, the others stopped, and replays the same requests:
   - kvscale-offline: our engine in this process, every request at once (the ceiling the served path is held to);
-  - kvscale: `serve run serve_app/config.yaml` (the app as users run it);
+  - kvscale: `kvscale serve serve_app/config.yaml` (the app as users run it);
   - vllm: vLLM CPU's OpenAI server from .venv-peers (`bash scripts/peers_venv.sh`), bf16, every core;
   - ray-serve-llm: Ray Serve LLM around the same vLLM (`bash scripts/peers_venv.sh --ray-serve-llm`);
   - transformers: `transformers serve --continuous-batching` (needs `pip install accelerate==1.15.0`).
@@ -176,9 +176,8 @@ def start_server(name: str, log_dir: Path):
                  f"{' --ray-serve-llm' if name == 'ray-serve-llm' else ''}`")
     # vLLM: 2 GiB of KV (more than these requests can hold), and every core (it would drop to one "for serving")
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
-    if name == "kvscale":  # as scripts/serve.sh and `kvscale serve` start it: Ray's actors at nice 0, not 15
-        cmd = ["serve", "run", str(ROOT / "serve_app" / "config.yaml")]
-        env["RAY_worker_niceness"] = env.get("RAY_worker_niceness", "0")
+    if name == "kvscale":  # as users start it (scripts/serve.sh does too): Ray's actors at nice 0, not 15
+        cmd = ["kvscale", "serve", str(ROOT / "serve_app" / "config.yaml")]
         url = "http://127.0.0.1:8000"
     elif name == "vllm":  # `python -m`: the `vllm` CLI looks for a distribution named vllm, this one is vllm-cpu
         cmd = [str(PEERS_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", default_model_dir(),
@@ -199,13 +198,20 @@ def start_server(name: str, log_dir: Path):
     return proc, url
 
 
-def run_offline(trace, prompts) -> dict:
-    """Our engine in this process on the same requests, all submitted at once: what the served path is held to."""
+def offline_engine(trace, prompts, **overrides):
+    """Our engine in this process as the served app's config runs it (overrides on top), warmed up, and the
+    trace's sampling params."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(model="default", max_num_seqs=256, max_num_batched_tokens=2048, show_progress=False)
+    llm = LLM(model="default", max_num_seqs=256, max_num_batched_tokens=2048, show_progress=False, **overrides)
     params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, _, out in trace]
     llm.generate(prompts[:4], params[:4])  # warm-up
+    return llm, params
+
+
+def run_offline(trace, prompts) -> dict:
+    """Our engine in this process on the same requests, all submitted at once: what the served path is held to."""
+    llm, params = offline_engine(trace, prompts)
     start = time.perf_counter()
     outs = llm.generate(prompts, params)
     makespan = time.perf_counter() - start
