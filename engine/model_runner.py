@@ -23,7 +23,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from kernels import AttentionMetadata, select_ops
-from kernels.kv_cache import KV_CACHE_DTYPES
+from kernels.kv_cache import KV_CACHE_DTYPES, kv_rotation
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,10 @@ class ModelRunner:
         self.attention_scratch: dict = {}  # reused gather buffers of the CPU attention (AttentionMetadata.scratch)
         # what the KV pool stores: the model's dtype, or fp8 (kernels.kv_cache: quantized with per-layer scales)
         self.kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
+        if self.kv_dtype != self.dtype:  # fp8: keys rotated before they are quantized (kernels.kv_cache)
+            for layer in self.attention_layers():
+                layer.kv_rotation = kv_rotation(self.head_dim, layer.layer_idx).T.contiguous().to(
+                    self.dtype).to(self.device)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_budget()
         # (layers of a group, K/V, blocks, block_size, kv_heads, head_dim): the one large allocation besides
         # weights. A block holds K/V of one group's layers; layer i uses slot layer_slot[i] at its group's ids

@@ -4,6 +4,13 @@ An fp8 cache (torch.float8_e4m3fn or float8_e5m2, 1 byte an element: half of bf1
 V / v_scale, rounded to the nearest fp8 value and clamped to the format's largest finite value; a reader
 dequantizes with the same per-layer, per-tensor scales (fp8 * scale). Every backend writes and reads it that
 way; kernels/paged_attention.py's reference attends over `dequantize(cache)`.
+
+Keys go into an fp8 cache rotated (`kv_rotation`): the attention layer multiplies q and k by one fixed
+orthogonal matrix per layer before the cache and the kernels see them, which leaves every score q.k as it was
+and spreads the few large channels that keys and queries share over all of them. An fp8 value's error is
+relative to its own size, so a score's error is dominated by the channels where both q and k are large; spread
+out, those errors average instead (FlashAttention-3's "incoherent processing" for fp8). The backends need no
+change: they store and read the rotated keys like any others.
 """
 from __future__ import annotations
 
@@ -23,6 +30,21 @@ def kv_scale(x: torch.Tensor, dtype: torch.dtype) -> float:
     if dtype not in FP8_DTYPES:
         return 1.0
     return max(float(x.detach().abs().max()) * KV_SCALE_HEADROOM / torch.finfo(dtype).max, 1e-12)
+
+
+def kv_rotation(head_dim: int, seed: int) -> torch.Tensor:
+    """A fixed orthogonal (head_dim, head_dim) fp32 matrix: a normalized Hadamard matrix with its rows' signs
+    drawn from `seed` where head_dim is a power of two, else the Q of a seeded Gaussian's QR. The same seed
+    (the layer index) gives the same matrix in every process, so cached keys stay valid across restarts."""
+    gen = torch.Generator().manual_seed(seed)
+    if head_dim & (head_dim - 1) == 0:
+        h = torch.ones(1, 1)
+        while h.shape[0] < head_dim:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        signs = torch.randint(0, 2, (head_dim,), generator=gen).float() * 2 - 1
+        return signs[:, None] * h / head_dim**0.5
+    q, r = torch.linalg.qr(torch.randn(head_dim, head_dim, generator=gen))
+    return q * torch.sign(torch.diagonal(r))[None, :]
 
 
 def is_fp8(cache: torch.Tensor) -> bool:

@@ -87,6 +87,9 @@ class Attention(nn.Module):
         # the runner's calibration (calibrate_kv: this forward sets them from the K and V it is about to write)
         self.k_scale, self.v_scale = 1.0, 1.0
         self.calibrate_kv = False
+        # fp8 KV cache: (D, D), the transpose of the orthogonal matrix q and k are multiplied by before they
+        # meet the cache (kernels.kv_cache.kv_rotation; the runner sets it, as a weight for ops.linear)
+        self.kv_rotation: torch.Tensor | None = None
         self.kv_group = 0  # which KV group's block tables it reads (engine.kv_groups; set by the runner)
 
     def forward(self, hidden, positions, rope, kv_cache, meta: AttentionMetadata):
@@ -109,11 +112,17 @@ class Attention(nn.Module):
         against the pages of its KV group. q (T, H, D), k and v (T, Hkv, D); returns (T, H, D)."""
         k_cache, v_cache = kv_cache
         meta = meta.for_group(self.kv_group)
+        if self.kv_rotation is not None:  # scores unchanged, keys' quantization error spread over channels
+            q, k = self._rotate(q), self._rotate(k)
         if self.calibrate_kv:
             self.k_scale, self.v_scale = kv_scale(k, k_cache.dtype), kv_scale(v, v_cache.dtype)
         self.ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         return self.ops.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.k_scale,
                                         self.v_scale, k, v)
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        tokens, heads, head_dim = x.shape
+        return self.ops.linear(x.reshape(tokens * heads, head_dim), self.kv_rotation).view(tokens, heads, head_dim)
 
 
 class MLP(nn.Module):
