@@ -270,6 +270,90 @@ KVS_INLINE __m256 ldkv8(const void *p, long i, int bf, int fp8, const float *tab
     return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(codes), 4);
 }
 
+/* Softmax of each of `rows` score rows (len each, contiguous), in place, exact (max subtracted) */
+static void softmax_rows(float *s, long rows, long len) {
+    for (long x = 0; x < rows; x++) {
+        float *sx = s + x * len, m = -INFINITY, sum = 0.0f;
+        for (long t = 0; t < len; t++) m = sx[t] > m ? sx[t] : m;
+        long t = 0;
+        __m256 vm = _mm256_set1_ps(m), vs = _mm256_setzero_ps();
+        for (; t + 8 <= len; t += 8) {
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sx + t), vm));
+            _mm256_storeu_ps(sx + t, e);
+            vs = _mm256_add_ps(vs, e);
+        }
+        sum = hsum(vs);
+        for (; t < len; t++) { sx[t] = expf(sx[t] - m); sum += sx[t]; }
+        float inv = 1.0f / sum;
+        for (t = 0; t < len; t++) sx[t] *= inv;
+    }
+}
+
+#ifdef __AVX512BF16__
+/* One decode task on a bf16 cache with AVX-512 (head_dim a multiple of 32, at most 8 query heads per KV head):
+ * scores key by key, each K row (all the task's KV heads, contiguous) loaded once and dotted with the query heads
+ * that read it by vdpbf16ps (bf16 pairs multiplied exactly, summed in fp32); then V in chunks of KVS_V_CHUNK rows,
+ * each row widened 16 lanes at a time and added into every reading head's accumulators. The scores loop
+ * prefetches the K row KVS_PREFETCH keys ahead into L1 and its V row into L2, so V's memory traffic overlaps the
+ * scores' arithmetic: what made this kernel wait on memory (bench/kernels.py; README, Performance). Same result
+ * as the AVX2 loops up to the order of fp32 additions. s: (heads, len) scores; acc: (heads, head_dim) out. */
+#define KVS_PREFETCH 4
+KVS_INLINE __m512 ldbf16x16(const bf16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static void decode_task_bf16_avx512(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_cache, const long *off,
+                                    long len, long kv_heads, long group, long head_dim, float scale, float *s,
+                                    float *acc) {
+    long heads = kv_heads * group, row_bytes = kv_heads * head_dim * (long)sizeof(bf16_t);
+    for (long j = 0; j < len; j++) {
+        const bf16_t *kr = k_cache + off[j];
+        if (j + KVS_PREFETCH < len) {
+            const char *kp = (const char *)(k_cache + off[j + KVS_PREFETCH]);
+            const char *vp = (const char *)(v_cache + off[j + KVS_PREFETCH]);
+            for (long b = 0; b < row_bytes; b += 64) {
+                _mm_prefetch(kp + b, _MM_HINT_T0);
+                _mm_prefetch(vp + b, _MM_HINT_T1);
+            }
+        }
+        for (long g = 0; g < kv_heads; g++) {
+            __m512 a[8];
+            for (long x = 0; x < group; x++) a[x] = _mm512_setzero_ps();
+            for (long c = 0; c < head_dim; c += 32) {
+                __m512bh kc = (__m512bh)_mm512_loadu_si512(kr + g * head_dim + c);
+                for (long x = 0; x < group; x++)
+                    a[x] = _mm512_dpbf16_ps(a[x], (__m512bh)_mm512_loadu_si512(q + (g * group + x) * head_dim + c), kc);
+            }
+            for (long x = 0; x < group; x++) s[(g * group + x) * len + j] = _mm512_reduce_add_ps(a[x]) * scale;
+        }
+    }
+    softmax_rows(s, heads, len);
+    for (long e = 0; e < heads * head_dim; e++) acc[e] = 0.0f;
+    for (long t0 = 0; t0 < len; t0 += KVS_V_CHUNK) {
+        long t1 = t0 + KVS_V_CHUNK < len ? t0 + KVS_V_CHUNK : len;
+        for (long g = 0; g < kv_heads; g++)
+            for (long d0 = 0; d0 < head_dim; d0 += 64) {  /* 64 dims of every reading head: 4 x group vectors */
+                long nd = head_dim - d0 < 64 ? (head_dim - d0) / 16 : 4;
+                __m512 o[32];
+                for (long x = 0; x < group; x++)
+                    for (long c = 0; c < nd; c++) o[x * nd + c] = _mm512_loadu_ps(acc + (g * group + x) * head_dim + d0 + c * 16);
+                for (long t = t0; t < t1; t++) {
+                    const bf16_t *vr = v_cache + off[t] + g * head_dim + d0;
+                    if (t + 8 < len) _mm_prefetch((const char *)(v_cache + off[t + 8] + g * head_dim + d0), _MM_HINT_T0);
+                    __m512 vv[4];
+                    for (long c = 0; c < nd; c++) vv[c] = ldbf16x16(vr + c * 16);
+                    for (long x = 0; x < group; x++) {
+                        __m512 w = _mm512_set1_ps(s[(g * group + x) * len + t]);
+                        for (long c = 0; c < nd; c++) o[x * nd + c] = _mm512_fmadd_ps(w, vv[c], o[x * nd + c]);
+                    }
+                }
+                for (long x = 0; x < group; x++)
+                    for (long c = 0; c < nd; c++)
+                        _mm512_storeu_ps(acc + (g * group + x) * head_dim + d0 + c * 16, o[x * nd + c]);
+            }
+    }
+}
+#endif
+
 KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void *v_cache, void *out,
                                   const int *block_tables, long bt_stride, const long *rows, const long *tokens,
                                   const long *ctx_lens, long n, long num_heads, long num_kv_heads, long head_dim,
@@ -293,8 +377,16 @@ KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void
             long p = lo + j;
             off[j] = ((long)bt[p / block_size] * block_size + p % block_size) * kv_row + h0 * head_dim;
         }
+        int done = 0;  /* the AVX-512 task did it all: the loops below then have nothing to do */
+#ifdef __AVX512BF16__
+        if (bf && !fp8 && !key && !value && head_dim % 32 == 0 && group <= 8) {
+            decode_task_bf16_avx512((const bf16_t *)q + q0, (const bf16_t *)k_cache, (const bf16_t *)v_cache, off,
+                                    len, per_task, group, head_dim, scale, s, acc);
+            done = 1;
+        }
+#endif
         /* with `key`, the row's own token (the last key) comes from key/value as written, not from the pages */
-        long cached = key ? len - 1 : len;
+        long cached = done ? 0 : key ? len - 1 : len;
         long j = 0;
         if (vec) {
             for (; j + 8 <= cached; j += 8) {
@@ -325,21 +417,7 @@ KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void
                 for (long d = 0; d < head_dim; d++) dot += ld1(q, qx + d, bf) * ld1(key, kx + d, bf);
                 s[x * len + len - 1] = dot * inv_k_scale * scale;
             }
-        for (long x = 0; x < heads; x++) {
-            float *sx = s + x * len, m = -INFINITY, sum = 0.0f;
-            for (long t = 0; t < len; t++) m = sx[t] > m ? sx[t] : m;
-            long t = 0;
-            __m256 vm = _mm256_set1_ps(m), vs = _mm256_setzero_ps();
-            for (; t + 8 <= len; t += 8) {
-                __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(sx + t), vm));
-                _mm256_storeu_ps(sx + t, e);
-                vs = _mm256_add_ps(vs, e);
-            }
-            sum = hsum(vs);
-            for (; t < len; t++) { sx[t] = expf(sx[t] - m); sum += sx[t]; }
-            float inv = 1.0f / sum;
-            for (t = 0; t < len; t++) sx[t] *= inv;
-        }
+        if (!done) softmax_rows(s, heads, len);
         for (long j0 = 0; j0 < cached; j0 += KVS_V_CHUNK) {
             long j1 = j0 + KVS_V_CHUNK < cached ? j0 + KVS_V_CHUNK : cached;
             for (long x = 0; x < heads; x++) {
