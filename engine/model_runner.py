@@ -90,7 +90,7 @@ class ModelRunner:
         self.kv_dtype = KV_CACHE_DTYPES.get(config.kv_cache_dtype, self.dtype)
         if self.kv_dtype != self.dtype:  # fp8: keys rotated before they are quantized (kernels.kv_cache)
             for layer in self.attention_layers():
-                layer.kv_rotation = kv_rotation(self.head_dim, layer.layer_idx).T.contiguous().to(
+                layer.kv_rotation = kv_rotation(layer.head_dim, layer.layer_idx).T.contiguous().to(
                     self.dtype).to(self.device)
         self.num_kv_blocks = config.num_kv_blocks or self._blocks_from_budget()
         # (layers of a group, K/V, blocks, block_size, kv_heads, head_dim): the one large allocation besides

@@ -291,8 +291,8 @@ static void softmax_rows(float *s, long rows, long len) {
 
 #ifdef __AVX512BF16__
 /* One decode task on a bf16 cache with AVX-512 (head_dim a multiple of 32, at most 8 query heads per KV head):
- * scores key by key, each K row (all the task's KV heads, contiguous) loaded once and dotted with the query heads
- * that read it by vdpbf16ps (bf16 pairs multiplied exactly, summed in fp32); then V in chunks of KVS_V_CHUNK rows,
+ * scores key by key, each K row (all the task's KV heads, contiguous) dotted with the query heads that read it
+ * by dot_bf16 (vdpbf16ps: bf16 pairs multiplied exactly, summed in fp32); then V in chunks of KVS_V_CHUNK rows,
  * each row widened 16 lanes at a time and added into every reading head's accumulators. The scores loop
  * prefetches the K row KVS_PREFETCH keys ahead into L1 and its V row into L2, so V's memory traffic overlaps the
  * scores' arithmetic: what made this kernel wait on memory (bench/kernels.py; README, Performance). Same result
@@ -315,16 +315,9 @@ static void decode_task_bf16_avx512(const bf16_t *q, const bf16_t *k_cache, cons
                 _mm_prefetch(vp + b, _MM_HINT_T1);
             }
         }
-        for (long g = 0; g < kv_heads; g++) {
-            __m512 a[8];
-            for (long x = 0; x < group; x++) a[x] = _mm512_setzero_ps();
-            for (long c = 0; c < head_dim; c += 32) {
-                __m512bh kc = (__m512bh)_mm512_loadu_si512(kr + g * head_dim + c);
-                for (long x = 0; x < group; x++)
-                    a[x] = _mm512_dpbf16_ps(a[x], (__m512bh)_mm512_loadu_si512(q + (g * group + x) * head_dim + c), kc);
-            }
-            for (long x = 0; x < group; x++) s[(g * group + x) * len + j] = _mm512_reduce_add_ps(a[x]) * scale;
-        }
+        for (long g = 0; g < kv_heads; g++)  /* the K row stays in L1 for the group's query heads */
+            for (long x = 0; x < group; x++)
+                s[(g * group + x) * len + j] = dot_bf16(kr + g * head_dim, q + (g * group + x) * head_dim, head_dim) * scale;
     }
     softmax_rows(s, heads, len);
     for (long e = 0; e < heads * head_dim; e++) acc[e] = 0.0f;

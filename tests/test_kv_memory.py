@@ -98,8 +98,8 @@ def test_kv_rotation_is_a_fixed_orthogonal_matrix_that_keeps_scores():
 
     def score_error(rot: torch.Tensor) -> float:
         kr = k @ rot
-        stored = dequantize(quantize(kr, kv_scale(kr, torch.float8_e4m3fn), torch.float8_e4m3fn),
-                            kv_scale(kr, torch.float8_e4m3fn), torch.float32)
+        scale = kv_scale(kr, torch.float8_e4m3fn)
+        stored = dequantize(quantize(kr, scale, torch.float8_e4m3fn), scale, torch.float32)
         return float(((q @ rot) @ stored.T - q @ k.T).pow(2).mean().sqrt())
 
     assert score_error(r) < 0.6 * score_error(torch.eye(64)), (score_error(r), score_error(torch.eye(64)))
