@@ -290,39 +290,71 @@ static void softmax_rows(float *s, long rows, long len) {
 }
 
 #ifdef __AVX512BF16__
-/* One decode task on a bf16 cache with AVX-512 (head_dim a multiple of 32, at most 8 query heads per KV head):
- * scores key by key, each K row (all the task's KV heads, contiguous) dotted with the query heads that read it
- * by dot_bf16 (vdpbf16ps: bf16 pairs multiplied exactly, summed in fp32); then V in chunks of KVS_V_CHUNK rows,
- * each row widened 16 lanes at a time and added into every reading head's accumulators. The scores loop
- * prefetches the K row KVS_PREFETCH keys ahead into L1 and its V row into L2, so V's memory traffic overlaps the
- * scores' arithmetic: what made this kernel wait on memory (bench/kernels.py; README, Performance). Same result
- * as the AVX2 loops up to the order of fp32 additions. s: (heads, len) scores; acc: (heads, head_dim) out. */
+/* One decode task with AVX-512 (head_dim a multiple of 32, at most 8 query heads per KV head), on a bf16 cache or
+ * an fp8 one (fp8 = 1: the pages hold codes, `lut` their bf16 values): scores key by key, each K row (all the
+ * task's KV heads, contiguous) dotted with the query heads that read it by dot_bf16 (vdpbf16ps: bf16 pairs
+ * multiplied exactly, summed in fp32); then V in chunks of KVS_V_CHUNK rows, each row widened 16 lanes at a time
+ * and added into every reading head's accumulators. The scores loop prefetches the K row KVS_PREFETCH keys ahead
+ * into L1 and its V row into L2, so V's memory traffic overlaps the scores' arithmetic: what made this kernel wait
+ * on memory (bench/kernels.py; README, Performance). Every fp8 code of either format is a bf16 value exactly, so
+ * an fp8 row goes through the same arithmetic as a bf16 one, its scales folded into the scores and the output
+ * by the caller. key/value (NULL: none): the row's own token (the last key) as written, in bf16, weighted in the
+ * cache's units (inv_k_scale, inv_v_scale). Same result as the AVX2 loops up to the order of fp32 additions.
+ * s: (heads, len) scores; acc: (heads, head_dim) out. */
 #define KVS_PREFETCH 4
+#define KVS_MAX_HEAD_DIM 512
 KVS_INLINE __m512 ldbf16x16(const bf16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
-static void decode_task_bf16_avx512(const bf16_t *q, const bf16_t *k_cache, const bf16_t *v_cache, const long *off,
-                                    long len, long kv_heads, long group, long head_dim, float scale, float *s,
-                                    float *acc) {
-    long heads = kv_heads * group, row_bytes = kv_heads * head_dim * (long)sizeof(bf16_t);
-    for (long j = 0; j < len; j++) {
-        const bf16_t *kr = k_cache + off[j];
-        if (j + KVS_PREFETCH < len) {
-            const char *kp = (const char *)(k_cache + off[j + KVS_PREFETCH]);
-            const char *vp = (const char *)(v_cache + off[j + KVS_PREFETCH]);
-            for (long b = 0; b < row_bytes; b += 64) {
-                _mm_prefetch(kp + b, _MM_HINT_T0);
-                _mm_prefetch(vp + b, _MM_HINT_T1);
+/* 32 fp8 codes (in the low bytes of `c`, widened to 16 bits) as 32 bf16 values: the magnitude's 128 values from
+ * lut[0..3] (64 entries per permute), the sign bit moved to bf16's */
+KVS_INLINE __m512i fp8x32_to_bf16(__m512i c, const __m512i *lut) {
+    __m512i lo = _mm512_permutex2var_epi16(lut[0], c, lut[1]), hi = _mm512_permutex2var_epi16(lut[2], c, lut[3]);
+    __m512i mag = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(c, _mm512_set1_epi16(0x40)), lo, hi);
+    return _mm512_or_si512(mag, _mm512_slli_epi16(_mm512_and_si512(c, _mm512_set1_epi16(0x80)), 8));
+}
+KVS_INLINE __m512 ldfp8x16(const uint8_t *p, const __m512i *lut) {
+    __m512i c = _mm512_cvtepu8_epi16(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)p)));
+    __m512i h = fp8x32_to_bf16(c, lut);  /* its low 16 words hold p's 16 values */
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
+}
+KVS_INLINE void decode_task_avx512(const bf16_t *q, const void *k_cache, const void *v_cache, const long *off,
+                                   long len, long kv_heads, long group, long head_dim, float scale, float *s,
+                                   float *acc, int fp8, const __m512i *lut, const bf16_t *key, const bf16_t *value,
+                                   float inv_k_scale, float inv_v_scale) {
+    long heads = kv_heads * group, row = kv_heads * head_dim, es = fp8 ? 1 : (long)sizeof(bf16_t);
+    long cached = key ? len - 1 : len;  /* keys read from the pages; the last one from `key` when given */
+    bf16_t krow[KVS_MAX_HEAD_DIM];  /* one KV head's K row of an fp8 cache, as bf16 */
+    for (long j = 0; j < cached; j++) {
+        const char *kp = (const char *)k_cache + off[j] * es;
+        if (j + KVS_PREFETCH < cached) {
+            const char *kn = (const char *)k_cache + off[j + KVS_PREFETCH] * es;
+            const char *vn = (const char *)v_cache + off[j + KVS_PREFETCH] * es;
+            for (long b = 0; b < row * es; b += 64) {
+                _mm_prefetch(kn + b, _MM_HINT_T0);
+                _mm_prefetch(vn + b, _MM_HINT_T1);
             }
         }
-        for (long g = 0; g < kv_heads; g++)  /* the K row stays in L1 for the group's query heads */
+        for (long g = 0; g < kv_heads; g++) {  /* the K row stays in L1 for the group's query heads */
+            const bf16_t *kr = (const bf16_t *)kp + g * head_dim;
+            if (fp8) {
+                for (long d = 0; d < head_dim; d += 32) {
+                    const __m256i *src = (const __m256i *)((const uint8_t *)kp + g * head_dim + d);
+                    _mm512_storeu_si512(krow + d, fp8x32_to_bf16(_mm512_cvtepu8_epi16(_mm256_loadu_si256(src)), lut));
+                }
+                kr = krow;
+            }
             for (long x = 0; x < group; x++)
-                s[(g * group + x) * len + j] = dot_bf16(kr + g * head_dim, q + (g * group + x) * head_dim, head_dim) * scale;
+                s[(g * group + x) * len + j] = dot_bf16(kr, q + (g * group + x) * head_dim, head_dim) * scale;
+        }
     }
+    if (key)
+        for (long x = 0; x < heads; x++)
+            s[x * len + len - 1] = dot_bf16(key + (x / group) * head_dim, q + x * head_dim, head_dim) * inv_k_scale * scale;
     softmax_rows(s, heads, len);
     for (long e = 0; e < heads * head_dim; e++) acc[e] = 0.0f;
-    for (long t0 = 0; t0 < len; t0 += KVS_V_CHUNK) {
-        long t1 = t0 + KVS_V_CHUNK < len ? t0 + KVS_V_CHUNK : len;
+    for (long t0 = 0; t0 < cached; t0 += KVS_V_CHUNK) {
+        long t1 = t0 + KVS_V_CHUNK < cached ? t0 + KVS_V_CHUNK : cached;
         for (long g = 0; g < kv_heads; g++)
             for (long d0 = 0; d0 < head_dim; d0 += 64) {  /* 64 dims of every reading head: 4 x group vectors */
                 long nd = head_dim - d0 < 64 ? (head_dim - d0) / 16 : 4;
@@ -330,10 +362,11 @@ static void decode_task_bf16_avx512(const bf16_t *q, const bf16_t *k_cache, cons
                 for (long x = 0; x < group; x++)
                     for (long c = 0; c < nd; c++) o[x * nd + c] = _mm512_loadu_ps(acc + (g * group + x) * head_dim + d0 + c * 16);
                 for (long t = t0; t < t1; t++) {
-                    const bf16_t *vr = v_cache + off[t] + g * head_dim + d0;
-                    if (t + 8 < len) _mm_prefetch((const char *)(v_cache + off[t + 8] + g * head_dim + d0), _MM_HINT_T0);
+                    const char *vr = (const char *)v_cache + (off[t] + g * head_dim + d0) * es;
+                    if (t + 8 < cached) _mm_prefetch((const char *)v_cache + (off[t + 8] + g * head_dim + d0) * es, _MM_HINT_T0);
                     __m512 vv[4];
-                    for (long c = 0; c < nd; c++) vv[c] = ldbf16x16(vr + c * 16);
+                    for (long c = 0; c < nd; c++)
+                        vv[c] = fp8 ? ldfp8x16((const uint8_t *)vr + c * 16, lut) : ldbf16x16((const bf16_t *)vr + c * 16);
                     for (long x = 0; x < group; x++) {
                         __m512 w = _mm512_set1_ps(s[(g * group + x) * len + t]);
                         for (long c = 0; c < nd; c++) o[x * nd + c] = _mm512_fmadd_ps(w, vv[c], o[x * nd + c]);
@@ -344,6 +377,13 @@ static void decode_task_bf16_avx512(const bf16_t *q, const bf16_t *k_cache, cons
                         _mm512_storeu_ps(acc + (g * group + x) * head_dim + d0 + c * 16, o[x * nd + c]);
             }
     }
+    if (value)  /* the last key's value, as written */
+        for (long x = 0; x < heads; x++) {
+            __m512 w = _mm512_set1_ps(s[x * len + len - 1] * inv_v_scale);
+            for (long d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(acc + x * head_dim + d, _mm512_fmadd_ps(w, ldbf16x16(value + (x / group) * head_dim + d),
+                                                                         _mm512_loadu_ps(acc + x * head_dim + d)));
+        }
 }
 #endif
 
@@ -356,6 +396,23 @@ KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void
     long group = num_heads / num_kv_heads, kv_row = num_kv_heads * head_dim;
     long splits = n < 2 * threads ? num_kv_heads : 1, per_task = num_kv_heads / splits;
     int vec = head_dim % 8 == 0;
+#ifdef __AVX512BF16__
+    /* fp8: the bf16 value of each code's magnitude (128 entries, 4 registers), when every code is its magnitude's
+     * value with the sign bit set (both fp8 formats; checked, not assumed) */
+    __m512i lut[4];
+    int lut_ok = fp8 != 0;
+    if (fp8) {
+        bf16_t words[128];
+        for (int c = 0; c < 128; c++) {
+            uint32_t u, n;
+            memcpy(&u, table + c, 4);
+            memcpy(&n, table + c + 128, 4);
+            lut_ok &= (u & 0xffffu) == 0 && n == (u | 0x80000000u);
+            words[c] = (bf16_t)(u >> 16);
+        }
+        for (int r = 0; r < 4; r++) lut[r] = _mm512_loadu_si512(words + 32 * r);
+    }
+#endif
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (long task = 0; task < n * splits; task++) {
         long i = task / splits, h0 = task % splits * per_task;
@@ -372,9 +429,11 @@ KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void
         }
         int done = 0;  /* the AVX-512 task did it all: the loops below then have nothing to do */
 #ifdef __AVX512BF16__
-        if (bf && !fp8 && !key && !value && head_dim % 32 == 0 && group <= 8) {
-            decode_task_bf16_avx512((const bf16_t *)q + q0, (const bf16_t *)k_cache, (const bf16_t *)v_cache, off,
-                                    len, per_task, group, head_dim, scale, s, acc);
+        if (bf && head_dim % 32 == 0 && group <= 8 && (!fp8 || (lut_ok && head_dim <= KVS_MAX_HEAD_DIM))) {
+            const bf16_t *kr = key ? (const bf16_t *)key + tokens[i] * stride_k + h0 * head_dim : NULL;
+            const bf16_t *vr = value ? (const bf16_t *)value + tokens[i] * stride_v + h0 * head_dim : NULL;
+            decode_task_avx512((const bf16_t *)q + q0, k_cache, v_cache, off, len, per_task, group, head_dim, scale,
+                               s, acc, fp8, lut, kr, vr, inv_k_scale, inv_v_scale);
             done = 1;
         }
 #endif
@@ -403,7 +462,7 @@ KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void
                 for (long d = 0; d < head_dim; d++) dot += ld1(q, qx + d, bf) * ldkv1(k_cache, kx + d, bf, fp8, table);
                 s[x * len + j] = dot * scale;
             }
-        if (key)  /* in the cache's units: the scores' scale carries k_scale */
+        if (key && !done)  /* in the cache's units: the scores' scale carries k_scale */
             for (long x = 0; x < heads; x++) {
                 long qx = q0 + x * head_dim, kx = tokens[i] * stride_k + (h0 + x / group) * head_dim;
                 float dot = 0.0f;
@@ -438,7 +497,7 @@ KVS_INLINE void paged_decode_body(const void *q, const void *k_cache, const void
                     for (long t = j0; t < j1; t++) a[d] += w[t] * ldkv1(v_cache, vh + off[t] + d, bf, fp8, table);
             }
         }
-        if (value)  /* in the cache's units: the output's scale carries v_scale */
+        if (value && !done)  /* in the cache's units: the output's scale carries v_scale */
             for (long x = 0; x < heads; x++) {
                 float w = s[x * len + len - 1] * inv_v_scale;
                 long vx = tokens[i] * stride_v + (h0 + x / group) * head_dim;

@@ -527,6 +527,24 @@ def test_fp8_kv_write_every_backend_stores_the_references_codes(cpu_kernels, kv_
     assert not k_ref.view(-1, 2, 64)[untouched].float().any()
 
 
+@pytest.mark.parametrize("kv_dtype", FP8)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (6, 3, 128), (4, 4, 40)])
+def test_fp8_decode_is_the_same_arithmetic_as_a_cache_holding_its_values(cpu_kernels, kv_dtype, dtype, heads,
+                                                                         kv_heads, head_dim):
+    """Every fp8 code is exactly a bf16 (and fp32) value, so decode over an fp8 cache at scale 1 gives, bit for
+    bit, what decode over a cache of the query's dtype holding those values gives: one arithmetic for both, so
+    an fp8 cache changes answers only through its values, never through a kernel of its own."""
+    q, kc, vc, meta = make_batch([1, 1, 1, 1, 1], [1, 17, 40, 300, 129], 16, 64, heads, kv_heads, head_dim, dtype)
+    k8, v8 = quantize(kc, 1.0, kv_dtype), quantize(vc, 1.0, kv_dtype)
+    kd, vd = dequantize(k8, 1.0, dtype), dequantize(v8, 1.0, dtype)
+    got = paged_attention_sdpa(q, k8, v8, meta, 0.125, None, 1.0, 1.0)
+    meta.plans.clear()
+    want = paged_attention_sdpa(q, kd, vd, meta, 0.125, None)
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, paged_attention_ref(q, kd, vd, meta, 0.125), **FP8_TOL[dtype])
+
+
 FP8_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=2e-2)}
 
 
