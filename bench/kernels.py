@@ -115,6 +115,17 @@ def kernel_rows(device: torch.device, dtype: torch.dtype, measure) -> list[dict]
     t = measure(lambda: ops.paged_attention(q, kc, vc, meta, head_dim**-0.5), repeats=10)
     add(f"paged prefill attention  one prompt of {q_len}", t,
         2 * q_len * kv_heads * head_dim * elem + 2 * q.numel() * elem, 2 * q_len * q_len * heads * head_dim)
+    if not cuda:  # the library peer: torch's SDPA (a flash-attention kernel on CPU) on the same prompt, unpaged
+        import torch.nn.functional as F
+
+        nb = -(-q_len // 16)
+        kq, vq = (c[meta.block_tables[0, :nb].long()].reshape(-1, kv_heads, head_dim)[:q_len].transpose(0, 1)[None]
+                  for c in (kc, vc))
+        qq = q.transpose(0, 1)[None]
+        t = measure(lambda: F.scaled_dot_product_attention(qq, kq, vq, is_causal=True, scale=head_dim**-0.5,
+                                                           enable_gqa=kv_heads != heads), repeats=10)
+        add("  (torch's SDPA, same prompt unpaged)", t, 2 * q_len * kv_heads * head_dim * elem + 2 * q.numel() * elem,
+            2 * q_len * q_len * heads * head_dim)
 
     # CUDA: 128 MiB activations, past the L2. CPU: the engine's default token budget, 4.5 MiB at hidden 576 (in
     # the L3, as in a prefill step; at 16k tokens every op here pays more in page faults than in copying)
