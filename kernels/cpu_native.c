@@ -529,7 +529,7 @@ void kvs_paged_decode(const void *q, const void *k_cache, const void *v_cache, v
 /* Causal prefill attention in bf16 with AVX512-BF16, flash-style (no score matrix in memory), for one sequence:
  * q (q_len, heads, head_dim) rows q_stride elements apart, k/v (ctx, kv_heads, head_dim) with token / head
  * strides in elements, out (q_len, heads, head_dim) contiguous. Query row i sits at position ctx - q_len + i and
- * sees keys 0 .. its position. A task is (query head, 8 query rows): their scores against 32 keys at a time by
+ * sees keys 0 .. its position (window > 0: only the last `window` of them, its own included). A task is (query head, 8 query rows): their scores against 32 keys at a time by
  * vdpbf16ps (exact bf16 products summed in fp32; K packed once per KV head as pairs of dims for 32 keys), an
  * online softmax in fp32, and P.V by fp32 FMAs over V rows widened from bf16; the output divided by the
  * softmax's sum and rounded once to bf16. Same math as torch's SDPA up to the order of fp32 additions; what it
@@ -557,8 +557,12 @@ static inline __m512 exp512(__m512 x) {  /* exp256's scheme, 16 lanes; exp(-inf)
     return _mm512_maskz_mul_ps((__mmask16)~neg_inf, y, _mm512_castsi512_ps(e));
 }
 
+KVS_INLINE __mmask16 first_bits(long n) {  /* the lowest n of 16 lanes */
+    return n <= 0 ? 0 : n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+}
 static void prefill_task_bf16(const bf16_t *q, long q_stride, const bf16_t *kp, const bf16_t *v, long v_tok,
-                              bf16_t *out, long out_stride, long rows, long pos0, long head_dim, float scale) {
+                              bf16_t *out, long out_stride, long rows, long pos0, long window, long head_dim,
+                              float scale) {
     /* rows (<= 8) query rows at positions pos0 .. pos0 + rows - 1; kp: this KV head's packed K, block b at
      * kp + b * 32 * head_dim as [head_dim / 2][32 keys][2]; v: this KV head's row 0, v_tok elements a token */
     float o[KVS_PF_ROWS][256], m[KVS_PF_ROWS], l[KVS_PF_ROWS], p[KVS_PF_ROWS][KVS_PF_KEYS];
@@ -568,7 +572,8 @@ static void prefill_task_bf16(const bf16_t *q, long q_stride, const bf16_t *kp, 
         l[r] = 0.0f;
         for (long d = 0; d < head_dim; d++) o[r][d] = 0.0f;
     }
-    for (long j0 = 0; j0 <= last; j0 += KVS_PF_KEYS) {
+    long first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;  /* the first row's first key */
+    for (long j0 = first / KVS_PF_KEYS * KVS_PF_KEYS; j0 <= last; j0 += KVS_PF_KEYS) {
         const bf16_t *kb = kp + (j0 / KVS_PF_KEYS) * KVS_PF_KEYS * head_dim;
         __m512 s[KVS_PF_ROWS][2];
         for (long r = 0; r < KVS_PF_ROWS; r++) s[r][0] = s[r][1] = _mm512_setzero_ps();
@@ -584,9 +589,14 @@ static void prefill_task_bf16(const bf16_t *q, long q_stride, const bf16_t *kp, 
         }
         long nk = last + 1 - j0 < KVS_PF_KEYS ? last + 1 - j0 : KVS_PF_KEYS;  /* keys any row of the task sees */
         for (long r = 0; r < rows; r++) {
-            long see = pos0 + r + 1 - j0;  /* keys of this block row r sees */
-            __mmask16 m0 = see >= 16 ? 0xffff : see <= 0 ? 0 : (__mmask16)((1u << see) - 1);
-            __mmask16 m1 = see >= 32 ? 0xffff : see <= 16 ? 0 : (__mmask16)((1u << (see - 16)) - 1);
+            /* row r sees this block's keys from .. see - 1: its own position and, with a window, the window-1 before */
+            long see = pos0 + r + 1 - j0, from = window > 0 ? see - window : 0;
+            __mmask16 m0 = first_bits(see) & (__mmask16)~first_bits(from);
+            __mmask16 m1 = first_bits(see - 16) & (__mmask16)~first_bits(from - 16);
+            if (!(m0 | m1) && m[r] == -INFINITY) {  /* nothing seen yet, nothing in this block: no weights */
+                for (long t = 0; t < KVS_PF_KEYS; t++) p[r][t] = 0.0f;
+                continue;
+            }
             __m512 ninf = _mm512_set1_ps(-INFINITY);
             __m512 a = _mm512_mask_mul_ps(ninf, m0, s[r][0], _mm512_set1_ps(scale));
             __m512 b = _mm512_mask_mul_ps(ninf, m1, s[r][1], _mm512_set1_ps(scale));
@@ -633,7 +643,7 @@ static void prefill_task_bf16(const bf16_t *q, long q_stride, const bf16_t *kp, 
 /* returns 0 when this build cannot (no AVX512-BF16, head_dim not a multiple of 32 or over 256): callers use SDPA */
 int kvs_prefill_attention_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v, bf16_t *out, long q_len, long ctx,
                                long num_heads, long num_kv_heads, long head_dim, long q_tok, long k_tok, long k_head,
-                               long v_tok, long v_head, float scale, int threads) {
+                               long v_tok, long v_head, long window, float scale, int threads) {
 #ifdef __AVX512BF16__
     if (head_dim % 32 != 0 || head_dim > 256 || q_len > ctx || q_len < 1) return 0;
     long blocks = (ctx + KVS_PF_KEYS - 1) / KVS_PF_KEYS, group = num_heads / num_kv_heads;
@@ -660,13 +670,14 @@ int kvs_prefill_attention_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
         long i0 = rb * KVS_PF_ROWS, rows = q_len - i0 < KVS_PF_ROWS ? q_len - i0 : KVS_PF_ROWS;
         prefill_task_bf16(q + i0 * q_tok + h * head_dim, q_tok, kp + g * per_head, v + g * v_head, v_tok,
                           out + (i0 * num_heads + h) * head_dim, num_heads * head_dim, rows, ctx - q_len + i0,
-                          head_dim, scale);
+                          window, head_dim, scale);
     }
     free(kp);
     return 1;
 #else
     (void)q; (void)k; (void)v; (void)out; (void)q_len; (void)ctx; (void)num_heads; (void)num_kv_heads;
-    (void)head_dim; (void)q_tok; (void)k_tok; (void)k_head; (void)v_tok; (void)v_head; (void)scale; (void)threads;
+    (void)head_dim; (void)q_tok; (void)k_tok; (void)k_head; (void)v_tok; (void)v_head; (void)window; (void)scale;
+    (void)threads;
     return 0;
 #endif
 }

@@ -126,7 +126,7 @@ def native() -> ctypes.CDLL | None:
                             + [ctypes.c_float, ctypes.c_float, I, I],
         "kvs_write_kv": [P] * 5 + [L] * 4,
         "kvs_silu_mul": [P] * 2 + [L] * 3 + [I, I],
-        "kvs_prefill_attention_bf16": [P] * 4 + [L] * 10 + [ctypes.c_float, I],
+        "kvs_prefill_attention_bf16": [P] * 4 + [L] * 11 + [ctypes.c_float, I],
     }
     for name, argtypes in signatures.items():
         getattr(lib, name).argtypes = argtypes

@@ -221,8 +221,8 @@ def paged_attention_sdpa(
     group's blocks are gathered with one index_select. In fp32 and bf16, where our C kernels build
     (kernels/cpu_native.py), decode rows instead go to a paged decode kernel that reads K/V in place, fp8
     pages too (through a 256-entry table, the scales folded into the softmax scale and the output). bf16 prompts
-    and chunks without a window go to our C flash attention where the CPU has AVX512-BF16 (about 3x torch's
-    SDPA at 512 tokens on 2 cores: bench/kernels.py). With an fp8 cache, this step's own tokens are attended
+    and chunks, sliding windows too, go to our C flash attention where the CPU has AVX512-BF16 (about 3x
+    torch's SDPA at 512 tokens on 2 cores: bench/kernels.py). With an fp8 cache, this step's own tokens are attended
     through `key`/`value` as written, as in the reference. Checked against paged_attention_ref in tests."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -254,8 +254,8 @@ def paged_attention_sdpa(
                      and (key is None or not fp8 or (key.dtype == q.dtype and value.dtype == q.dtype
                                                      and key.stride()[1:] == (head_dim, 1)
                                                      and value.stride()[1:] == (head_dim, 1))))
-    # bf16 prompts and chunks (causal, no window) through our C flash attention where the CPU has AVX512-BF16
-    native_prefill = (lib is not None and bf == 1 and sliding_window is None and head_dim % 32 == 0
+    # bf16 prompts and chunks through our C flash attention where the CPU has AVX512-BF16
+    native_prefill = (lib is not None and bf == 1 and head_dim % 32 == 0
                       and head_dim <= 256 and q.stride()[1:] == (head_dim, 1) and out.is_contiguous()
                       and lib.kvs_has_avx512bf16())
     fresh = fp8 and key is not None  # the C kernel reads each row's own token from key/value
@@ -279,8 +279,8 @@ def paged_attention_sdpa(
             v = gather(v_cache, ids, 1, nb, "v", own)[:, :, :ctx]
             if native_prefill and lib.kvs_prefill_attention_bf16(
                     q[start].data_ptr(), k.data_ptr(), v.data_ptr(), out[start].data_ptr(), q_len, ctx, num_heads,
-                    num_kv_heads, head_dim, q.stride(0), k.stride(2), k.stride(1), v.stride(2), v.stride(1), scale,
-                    torch.get_num_threads()):
+                    num_kv_heads, head_dim, q.stride(0), k.stride(2), k.stride(1), v.stride(2), v.stride(1),
+                    sliding_window or 0, scale, torch.get_num_threads()):
                 continue
             qb = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # (1, H, Lq, D)
             res = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,

@@ -191,19 +191,21 @@ def test_cpu_sdpa_attention_matches_reference(query_lens, seq_lens, block_size, 
     ([300], [300]),  # a whole prompt over many key blocks, its rows not a multiple of the kernel's 8
     ([37, 1, 8], [100, 5, 8]),  # a chunk after a cached prefix, a decode, a short prompt
 ])
-def test_bf16_prefill_attention_is_as_exact_as_torchs_sdpa(query_lens, seq_lens, heads, kv_heads, head_dim):
-    """bf16 prompts and chunks: our C flash attention where the CPU has AVX512-BF16 (torch's SDPA elsewhere) lands
-    as close to the fp32 reference as torch's own bf16 SDPA does."""
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_bf16_prefill_attention_is_as_exact_as_torchs_sdpa(query_lens, seq_lens, heads, kv_heads, head_dim, window):
+    """bf16 prompts and chunks, with and without a sliding window: our C flash attention where the CPU has
+    AVX512-BF16 (torch's SDPA elsewhere) lands as close to the fp32 reference as torch's own bf16 SDPA does."""
     q, kc, vc, meta = make_batch(query_lens, seq_lens, 16, 64, heads, kv_heads, head_dim, torch.bfloat16)
-    got = paged_attention_sdpa(q, kc, vc, meta, head_dim ** -0.5).float()
-    exact = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, head_dim ** -0.5)
+    got = paged_attention_sdpa(q, kc, vc, meta, head_dim ** -0.5, window).float()
+    exact = paged_attention_ref(q.float(), kc.float(), vc.float(), meta, head_dim ** -0.5, window)
     sdpa_err, start = 0.0, 0
     for b, (q_len, ctx) in enumerate(zip(query_lens, seq_lens)):  # torch's bf16 SDPA on each sequence
         nb = -(-ctx // 16)
         k = kc[meta.block_tables[b, :nb].long()].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
         v = vc[meta.block_tables[b, :nb].long()].reshape(-1, kv_heads, head_dim)[:ctx].transpose(0, 1)[None]
         qb = q[start : start + q_len].transpose(0, 1)[None]
-        mask = torch.arange(ctx)[None] <= torch.arange(ctx - q_len, ctx)[:, None]
+        key_pos, q_pos = torch.arange(ctx)[None], torch.arange(ctx - q_len, ctx)[:, None]
+        mask = (key_pos <= q_pos) & (key_pos > q_pos - (window or ctx))
         ref = torch.nn.functional.scaled_dot_product_attention(qb, k, v, attn_mask=mask, scale=head_dim ** -0.5,
                                                                enable_gqa=True)[0].transpose(0, 1).float()
         sdpa_err = max(sdpa_err, float((ref - exact[start : start + q_len]).abs().max()))
