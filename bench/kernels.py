@@ -162,6 +162,20 @@ def kernel_rows(device: torch.device, dtype: torch.dtype, measure) -> list[dict]
             t = measure(lambda: [linear_onednn(xr, w) for w in stack], repeats=10)
             add("  (oneDNN's linear, same stack)", t, wbytes, 2 * m * wbytes / elem)
 
+    if not cuda:  # sampling at temperature 1: our sampler (inverse CDF) against exponential noise + argmax
+        from engine import SamplingParams
+        from engine.sampler import Sampler
+        from engine.sequence import Sequence
+
+        rows_n, vocab = 36, 49152  # the default model's vocabulary, a decode step's batch
+        logits = torch.randn(rows_n, vocab)
+        sampler = Sampler(vocab, [], seed=0, device=device)
+        seqs = [Sequence(f"r{i}", 0, [1], SamplingParams(temperature=1.0)) for i in range(rows_n)]
+        t = measure(lambda: sampler(logits, seqs), repeats=10)
+        add(f"sample {rows_n} rows x {vocab} tokens, temperature 1", t, logits.numel() * 4)
+        t = measure(lambda: (logits.softmax(-1) / torch.empty_like(logits).exponential_()).argmax(-1), repeats=10)
+        add("  (exponential noise + argmax, same rows)", t, logits.numel() * 4)
+
     from engine.models.rope import build_rope_cache
     from transformers import LlamaConfig
 

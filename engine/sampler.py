@@ -6,8 +6,8 @@ penalties before it), the one sampled from up to top-k / top-p / min-p truncatio
 importance ratio needs (vLLM's logprobs_mode="processed_logprobs" without the truncation). Greedy rows report
 temperature 1. The grammar mask (engine.structured_output) touches only the rows of constrained
 sequences, and the tokens they sample are handed back to their grammars.
-Sampling draws exponential noise and takes argmax(p / noise), which samples from p exactly. A request
-with a seed draws its noise from its own generator, so its tokens do not depend on what else is batched.
+Sampling inverts each row's cumulative distribution at one uniform draw, which samples from p exactly. A
+request with a seed draws from its own generator, so its tokens do not depend on what else is batched.
 """
 from __future__ import annotations
 
@@ -155,14 +155,19 @@ class Sampler:
             threshold = torch.tensor(min_p, device=dev)[:, None] * probs.max(dim=-1, keepdim=True).values
             probs = probs.masked_fill(probs < threshold, 0.0)
 
-        noise = torch.empty_like(probs)
+        # inverse CDF: one uniform u per row, and the first token whose cumulative probability exceeds u times
+        # the row's total (sums in float64, so no token's share moves by more than ~1e-12; zero-probability tokens
+        # are never chosen). One random number per row, not one per vocabulary entry as exponential noise took:
+        # 36 rows x 49k tokens, 2 CPU threads: 39 ms -> 2.5 ms, when it was a third of a decode step.
+        u = torch.empty(batch, 1, dtype=torch.float64, device=dev)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), vocab, device=dev).exponential_(generator=self.generator)
+            u[unseeded] = torch.rand(len(unseeded), 1, dtype=torch.float64, device=dev, generator=self.generator)
         for i, s in enumerate(seqs):
             if s.params.seed is not None:
-                noise[i].exponential_(generator=self._generator_for(s))
-        sampled = (probs / noise.clamp_(min=1e-30)).argmax(dim=-1)
+                u[i] = torch.rand(1, dtype=torch.float64, device=dev, generator=self._generator_for(s))
+        cdf = probs.double().cumsum_(dim=-1)
+        sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)[:, 0]
         return torch.where(torch.tensor(greedy, device=dev), greedy_ids, sampled)
 
     @staticmethod
