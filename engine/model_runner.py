@@ -117,14 +117,23 @@ class ModelRunner:
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], partial: bool = False,
                      check_only: bool = False) -> int:
         """HF-named tensors into the model in place, all or nothing (DecoderForCausalLM.load_weights checks them
-        all before copying any). In place, so CUDA graphs stay valid."""
-        return self.model.load_weights(weights, partial, check_only)
+        all before copying any). In place, so CUDA graphs stay valid; oneDNN's packed copies of the weights
+        (kernels.linear.packed_weight) are dropped, to be packed again from the new values on first use."""
+        copied = self.model.load_weights(weights, partial, check_only)
+        if not check_only:
+            from kernels.linear import drop_packed
+
+            drop_packed(self.model.parameters())
+        return copied
 
     def release_memory(self, level: int) -> None:
         """Sleep: level 1 frees the KV pool, level 2 the weights too. Only while no sequence holds blocks."""
         self.kv_cache, self.kv_caches, self.state_pool = None, [], []
         self.attention_scratch.clear()
         if level >= 2:
+            from kernels.linear import drop_packed
+
+            drop_packed(self.model.parameters())  # oneDNN's packed copies (kernels.linear.packed_weight) too
             self._weight_shapes = {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
             for p in self.model.parameters():
                 p.data = torch.empty(0, dtype=p.dtype, device=self.device)

@@ -259,6 +259,28 @@ def test_cpu_linear_matches_f_linear(rows, dtype):
     assert select_ops("auto", "cpu").linear is linear_cpu
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_linear_packs_each_weight_once_and_follows_changes(dtype):
+    """oneDNN's packed copy of a weight is made once and reused; a weight changed in place (storage or version)
+    or dropped by its owner is packed again, so the output always follows the weight's current values."""
+    from kernels.linear import _packing_works, drop_packed, linear_cpu, linear_ref, packed_weight
+
+    assert _packing_works(dtype), "torch 2.13's CPU build packs oneDNN linear weights"
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(40, 96, generator=g).to(dtype), torch.randn(200, 96, generator=g).to(dtype)
+    tol = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: TOL[torch.bfloat16]}[dtype]
+    first = packed_weight(w)
+    assert packed_weight(w) is first
+    torch.testing.assert_close(linear_cpu(x, w).float(), linear_ref(x, w).float(), **tol)
+    with torch.no_grad():
+        w.mul_(-1)  # in place, as a weight push copies: the version counter moves
+    assert packed_weight(w) is not first
+    torch.testing.assert_close(linear_cpu(x, w).float(), linear_ref(x, w).float(), **tol)
+    w.data[:] = 3.0  # through .data, which the version counter does not see: the owner drops the packed copy
+    drop_packed([w])
+    torch.testing.assert_close(linear_cpu(x, w).float(), linear_ref(x, w).float(), **tol)
+
+
 def test_cpu_linear_pads_rows_to_a_bounded_set_of_shapes():
     from kernels.linear import row_bucket
 
