@@ -538,23 +538,11 @@ void kvs_paged_decode(const void *q, const void *k_cache, const void *v_cache, v
 #ifdef __AVX512BF16__
 #define KVS_PF_ROWS 8
 #define KVS_PF_KEYS 32
-static inline __m512 exp512(__m512 x) {  /* exp256's scheme, 16 lanes; exp(-inf) = 0 */
-    const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
-    __mmask16 neg_inf = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_max_ps(_mm512_min_ps(x, hi), lo);
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~neg_inf, y, _mm512_castsi512_ps(e));
+static inline __m512 exp512(__m512 x) {  /* exp256 on each half; lanes below its range (-inf: masked keys) are 0 */
+    __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.3762626647949f), _CMP_LT_OQ);
+    __m512 e = _mm512_insertf32x8(_mm512_castps256_ps512(exp256(_mm512_castps512_ps256(x))),
+                                  exp256(_mm512_extractf32x8_ps(x, 1)), 1);
+    return _mm512_maskz_mov_ps((__mmask16)~below, e);
 }
 
 KVS_INLINE __mmask16 first_bits(long n) {  /* the lowest n of 16 lanes */
