@@ -52,17 +52,19 @@ REFERENCE_OPS = Ops("reference", write_kv_ref, paged_attention_ref, rms_norm_ref
 
 def cpu_ops(dtype: torch.dtype) -> Ops:
     """The CPU path for this dtype, decided once: in fp32 and bf16 where our C kernels build, they run (GEMV for
-    few rows, norm, rotary, KV write, SwiGLU, paged decode attention); linear layers otherwise go to oneDNN and
-    attention to torch's fused SDPA; in other dtypes or without the C kernels the elementwise ops are the
-    references, bound directly."""
+    few rows, norm, rotary, KV write, SwiGLU, paged decode attention, bf16 prefill attention where the CPU has
+    AVX512-BF16); linear layers otherwise go to oneDNN and other attention to torch's fused SDPA; in other dtypes
+    or without the C kernels the elementwise ops are the references, bound directly."""
     lib = native()
     if dtype in (torch.float32, torch.bfloat16) and lib is not None:
         gemv = ("bf16 GEMV <= %d rows (%s)" % (NATIVE_MAX_ROWS_BF16, "AVX512-BF16" if lib.kvs_has_avx512bf16() else
                                                "AVX2, bf16 widened") if dtype == torch.bfloat16
                 else f"fp32 GEMV <= {NATIVE_MAX_ROWS} rows")
+        prefill = ("our C prefill attention in bf16 (AVX512-BF16), SDPA otherwise"
+                   if dtype == torch.bfloat16 and lib.kvs_has_avx512bf16() else "SDPA prefill attention")
         return Ops("cpu", write_kv_cpu, paged_attention_sdpa, rms_norm_cpu, rotary_cpu, linear_cpu, silu_mul_cpu,
                    f"our C kernels ({gemv}, RMSNorm, rotary, KV write, SwiGLU, paged decode attention), "
-                   "oneDNN linear, SDPA prefill attention")
+                   f"oneDNN linear on packed weights, {prefill}")
     why = "no C kernels on this machine" if dtype in (torch.float32, torch.bfloat16) else f"no C kernels for {dtype}"
     return Ops("cpu", write_kv_ref, paged_attention_sdpa, rms_norm_ref, rotary_ref, linear_cpu, silu_mul_ref,
                f"oneDNN linear, SDPA attention, torch reference elementwise ops ({why})")
