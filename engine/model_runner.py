@@ -24,6 +24,7 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import Sequence
 from kernels import AttentionMetadata, select_ops
 from kernels.kv_cache import KV_CACHE_DTYPES, kv_rotation
+from kernels.linear import drop_packed
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,6 @@ class ModelRunner:
         (kernels.linear.packed_weight) are dropped, to be packed again from the new values on first use."""
         copied = self.model.load_weights(weights, partial, check_only)
         if not check_only:
-            from kernels.linear import drop_packed
-
             drop_packed(self.model.parameters())
         return copied
 
@@ -131,8 +130,6 @@ class ModelRunner:
         self.kv_cache, self.kv_caches, self.state_pool = None, [], []
         self.attention_scratch.clear()
         if level >= 2:
-            from kernels.linear import drop_packed
-
             drop_packed(self.model.parameters())  # oneDNN's packed copies (kernels.linear.packed_weight) too
             self._weight_shapes = {n: (p.shape, p.dtype) for n, p in self.model.named_parameters()}
             for p in self.model.parameters():

@@ -11,7 +11,8 @@ and it agrees with F.linear on a probe for the dtype; otherwise F.linear.
 
 oneDNN builds and caches one primitive per input shape. Batches of every row count from 1 to the token
 budget would fill that cache with hundreds of primitives per weight (bench/soak.py saw RSS climb), so rows are padded up to bucket sizes (`row_bucket`): about 8 shapes per doubling
-of the row count, at most 12.5 % extra rows.
+of the row count, at most 12.5 % extra rows. It gets each weight packed once in its own blocked layout
+(packed_weight), not the plain one it would reorder inside every call.
 """
 from __future__ import annotations
 

@@ -277,7 +277,7 @@ def paged_attention_sdpa(
                     torch.arange(start, start + q_len, device=q.device)[None]) if fresh else None)
             k = gather(k_cache, ids, 1, nb, "k", own)[:, :, :ctx]
             v = gather(v_cache, ids, 1, nb, "v", own)[:, :, :ctx]
-            if native_prefill and lib.kvs_prefill_attention_bf16(
+            if native_prefill and k.stride(3) == 1 and v.stride(3) == 1 and lib.kvs_prefill_attention_bf16(
                     q[start].data_ptr(), k.data_ptr(), v.data_ptr(), out[start].data_ptr(), q_len, ctx, num_heads,
                     num_kv_heads, head_dim, q.stride(0), k.stride(2), k.stride(1), v.stride(2), v.stride(1),
                     sliding_window or 0, scale, torch.get_num_threads()):
