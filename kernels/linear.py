@@ -28,38 +28,38 @@ def linear_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return F.linear(x, weight, bias)
 
 
+PACK_ROWS_HINT = 256  # the row count oneDNN picks its weight layout for; one layout served 5-2048 rows as well
+
+
 @functools.cache
-def _onednn_works(dtype: torch.dtype) -> bool:
-    op = getattr(getattr(torch.ops, "mkldnn", None), "_linear_pointwise", None)
+def _onednn_mode(dtype: torch.dtype) -> str | None:
+    """How linear_cpu calls torch's oneDNN linear in this dtype, from one probe against F.linear: "packed" (each
+    weight in oneDNN's own layout, packed_weight), "plain" (this build cannot pack, or packed disagrees), or
+    None (no oneDNN linear here, or it disagrees: F.linear)."""
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    op = getattr(mkldnn, "_linear_pointwise", None)
     if op is None or not torch.backends.mkldnn.is_available():
-        return False
-    try:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(5, 48, generator=g).to(dtype)
-        w = torch.randn(40, 48, generator=g).to(dtype)
-        b = torch.randn(40, generator=g).to(dtype)
-        tol = 1e-4 if dtype == torch.float32 else 5e-2
-        return all(torch.allclose(op(x, w, bb, "none", [], "").float(), F.linear(x, w, bb).float(), atol=tol, rtol=tol)
-                   for bb in (None, b))
-    except (RuntimeError, NotImplementedError):
-        return False
+        return None
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 48, generator=g).to(dtype)
+    w = torch.randn(40, 48, generator=g).to(dtype)
+    b = torch.randn(40, generator=g).to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
 
+    def agrees(weight: torch.Tensor) -> bool:
+        return all(torch.allclose(op(x, weight, bb, "none", [], "").float(), F.linear(x, w, bb).float(), atol=tol,
+                                  rtol=tol) for bb in (None, b))
 
-@functools.cache
-def _packing_works(dtype: torch.dtype) -> bool:
-    """This torch build packs weights for its oneDNN linear, and the packed weight gives F.linear's result."""
-    if getattr(getattr(torch.ops, "mkldnn", None), "_reorder_linear_weight", None) is None:
-        return False
     try:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(7, 48, generator=g).to(dtype)
-        w = torch.randn(40, 48, generator=g).to(dtype)
-        tol = 1e-4 if dtype == torch.float32 else 5e-2
-        got = torch.ops.mkldnn._linear_pointwise(x, torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT), None,
-                                                 "none", [], "")
-        return torch.allclose(got.float(), F.linear(x, w).float(), atol=tol, rtol=tol)
+        if not agrees(w):
+            return None
     except (RuntimeError, NotImplementedError):
-        return False
+        return None
+    reorder = getattr(mkldnn, "_reorder_linear_weight", None)
+    try:
+        return "packed" if reorder is not None and agrees(reorder(w, PACK_ROWS_HINT)) else "plain"
+    except (RuntimeError, NotImplementedError):
+        return "plain"
 
 
 def row_bucket(rows: int) -> int:
@@ -69,9 +69,6 @@ def row_bucket(rows: int) -> int:
         return rows
     step = 1 << (rows.bit_length() - 4)  # 1/8 of the largest power of two <= rows
     return -(-rows // step) * step
-
-
-PACK_ROWS_HINT = 256  # the row count oneDNN picks its weight layout for; one layout served 5-2048 rows as well
 
 
 def packed_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -141,11 +138,12 @@ def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     y = linear_native(x, weight, bias)
     if y is not None:
         return y
-    if x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype and _onednn_works(x.dtype):
+    mode = _onednn_mode(x.dtype) if x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype else None
+    if mode is not None:
         rows = x.shape[0]
         padded = row_bucket(rows)
         if padded != rows:
             x = torch.cat([x, x.new_zeros(padded - rows, x.shape[1])])
-        y = linear_onednn(x, packed_weight(weight) if _packing_works(x.dtype) else weight, bias)
+        y = linear_onednn(x, packed_weight(weight) if mode == "packed" else weight, bias)
         return y[:rows] if padded != rows else y
     return F.linear(x, weight, bias)

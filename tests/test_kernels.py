@@ -263,9 +263,9 @@ def test_cpu_linear_matches_f_linear(rows, dtype):
 def test_cpu_linear_packs_each_weight_once_and_follows_changes(dtype):
     """oneDNN's packed copy of a weight is made once and reused; a weight changed in place (storage or version)
     or dropped by its owner is packed again, so the output always follows the weight's current values."""
-    from kernels.linear import _packing_works, drop_packed, linear_cpu, linear_ref, packed_weight
+    from kernels.linear import _onednn_mode, drop_packed, linear_cpu, linear_ref, packed_weight
 
-    assert _packing_works(dtype), "torch 2.13's CPU build packs oneDNN linear weights"
+    assert _onednn_mode(dtype) == "packed", "torch 2.13's CPU build packs oneDNN linear weights"
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(40, 96, generator=g).to(dtype), torch.randn(200, 96, generator=g).to(dtype)
     tol = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: TOL[torch.bfloat16]}[dtype]
