@@ -636,10 +636,12 @@ int kvs_prefill_attention_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
     if (head_dim % 32 != 0 || head_dim > 256 || q_len > ctx || q_len < 1) return 0;
     long blocks = (ctx + KVS_PF_KEYS - 1) / KVS_PF_KEYS, group = num_heads / num_kv_heads;
     long per_head = blocks * KVS_PF_KEYS * head_dim;
+    /* with a window, blocks before the first row's first key are never read: not packed */
+    long b0 = window > 0 && ctx - q_len + 1 > window ? (ctx - q_len + 1 - window) / KVS_PF_KEYS : 0;
     bf16_t *kp = malloc(sizeof(bf16_t) * (size_t)(num_kv_heads * per_head));
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long gb = 0; gb < num_kv_heads * blocks; gb++) {  /* pack K: [head][block][dim pair][32 keys][2] */
-        long g = gb / blocks, b = gb % blocks;
+    for (long gb = 0; gb < num_kv_heads * (blocks - b0); gb++) {  /* pack K: [head][block][dim pair][32 keys][2] */
+        long g = gb / (blocks - b0), b = b0 + gb % (blocks - b0);
         bf16_t *dst = kp + g * per_head + b * KVS_PF_KEYS * head_dim;
         for (long t = 0; t < KVS_PF_KEYS; t++) {
             long j = b * KVS_PF_KEYS + t;

@@ -254,10 +254,9 @@ def paged_attention_sdpa(
                      and (key is None or not fp8 or (key.dtype == q.dtype and value.dtype == q.dtype
                                                      and key.stride()[1:] == (head_dim, 1)
                                                      and value.stride()[1:] == (head_dim, 1))))
-    # bf16 prompts and chunks through our C flash attention where the CPU has AVX512-BF16
-    native_prefill = (lib is not None and bf == 1 and head_dim % 32 == 0
-                      and head_dim <= 256 and q.stride()[1:] == (head_dim, 1) and out.is_contiguous()
-                      and lib.kvs_has_avx512bf16())
+    # bf16 prompts and chunks through our C flash attention, which answers 0 where it cannot take them (no
+    # AVX512-BF16, head_dim): SDPA then
+    native_prefill = lib is not None and bf == 1 and q.stride()[1:] == (head_dim, 1) and out.is_contiguous()
     fresh = fp8 and key is not None  # the C kernel reads each row's own token from key/value
     for step in _sdpa_plan(meta, block_size, sliding_window, q.device, native_decode):
         if isinstance(step, NativeDecode):
