@@ -6,11 +6,14 @@ capped by --max-context / --max-output so the run fits a small machine. Prompts 
 the given length, decoded to text with the default model's tokenizer (the same prompts for every system).
 
   python bench/serve.py --url ours=http://127.0.0.1:8000          # one running server
-  python bench/serve.py --compare                                  # ours offline, ours served, vLLM's server
+  python bench/serve.py --compare                                  # ours offline, in-process and served; vLLM's server
   python bench/serve.py --compare kvscale,vllm,ray-serve-llm,transformers
 
 --compare starts each system in turn on this machine, the others stopped, and replays the same requests:
   - kvscale-offline: our engine in this process, every request at once (the ceiling the served path is held to);
+  - kvscale-inprocess: our AsyncLLM in this process, each request sent at its arrival time and streamed as the
+    app streams it (tokens merged every stream_interval_s), with no Ray and no HTTP: what the serving path costs
+    is the gap from here to kvscale;
   - kvscale: `kvscale serve serve_app/config.yaml` (the app as users run it);
   - vllm: vLLM CPU's OpenAI server from .venv-peers (`bash scripts/peers_venv.sh`), bf16, every core;
   - ray-serve-llm: Ray Serve LLM around the same vLLM (`bash scripts/peers_venv.sh --ray-serve-llm`);
@@ -161,7 +164,7 @@ def wait_up(url: str, proc=None, timeout: float = 300) -> None:
 
 
 PEERS_PY = ROOT / ".venv-peers" / "bin" / "python"
-SYSTEMS = ("kvscale-offline", "kvscale", "vllm", "ray-serve-llm", "transformers")
+SYSTEMS = ("kvscale-offline", "kvscale-inprocess", "kvscale", "vllm", "ray-serve-llm", "transformers")
 
 
 def start_server(name: str, log_dir: Path):
@@ -222,6 +225,48 @@ def run_offline(trace, prompts) -> dict:
             "ttft_p50": nan, "ttft_p99": nan, "itl_p50": nan, "itl_p99": nan}
 
 
+def run_inprocess(trace, prompts) -> dict:
+    """Our AsyncLLM in this process, open loop on the trace's arrivals, streaming as the served app does (deltas
+    merged every stream_interval_s): the served path without Ray's processes and HTTP."""
+    from engine import SamplingParams
+    from engine.async_llm import AsyncLLM
+    from engine.sampling_params import RequestOutputKind
+    from serve_app.config import ServeConfig
+
+    interval = ServeConfig().stream_interval_s
+    llm = AsyncLLM(model="default", max_num_seqs=256, max_num_batched_tokens=2048, show_progress=False)
+
+    async def one(request_id, prompt, max_tokens, delay, result):
+        await asyncio.sleep(delay)
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        sent, times, tokens = time.perf_counter(), [], 0
+        async for out in llm.generate(prompt, params, request_id, min_interval_s=interval):
+            if out.outputs and out.outputs[0].token_ids:
+                tokens += len(out.outputs[0].token_ids)
+                times.append(time.perf_counter())
+        result.append({"sent": sent, "times": times, "tokens": tokens})
+
+    async def replay(rows, tag):
+        results: list[dict] = []
+        start = time.perf_counter()
+        await asyncio.gather(*(one(f"{tag}-{i}", p, out, arrival, results)
+                               for i, ((arrival, _, out), p) in enumerate(rows)))
+        return results, time.perf_counter() - start
+
+    try:
+        asyncio.run(replay(list(zip(trace[:4], prompts[:4])), "warm-up"))
+        results, makespan = asyncio.run(replay(list(zip(trace, prompts)), "run"))
+    finally:
+        llm.shutdown()
+    ttft = [r["times"][0] - r["sent"] for r in results if r["times"]]
+    itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
+    tokens = sum(r["tokens"] for r in results)
+    return {"requests": len(results), "failed": sum(not r["times"] for r in results), "tokens": tokens,
+            "makespan_s": makespan, "tok_s": tokens / makespan, "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
+            "itl_p50": _pct(itl, 50), "itl_p99": _pct(itl, 99)}
+
+
 def stop(proc) -> None:
     import signal
 
@@ -235,9 +280,9 @@ def stop(proc) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", action="append", default=[], help="name=http://host:port (repeatable)")
-    ap.add_argument("--compare", nargs="?", const="kvscale-offline,kvscale,vllm", default=None,
+    ap.add_argument("--compare", nargs="?", const="kvscale-offline,kvscale-inprocess,kvscale,vllm", default=None,
                     help=f"systems to start one by one, comma-separated, of {', '.join(SYSTEMS)} "
-                         "(no value: kvscale-offline,kvscale,vllm)")
+                         "(no value: kvscale-offline,kvscale-inprocess,kvscale,vllm)")
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--trace", default="conv", choices=["conv", "code"])
     ap.add_argument("--num-requests", type=int, default=48)
@@ -259,8 +304,8 @@ def main() -> None:
         for name in args.compare.split(","):
             if name not in SYSTEMS:
                 sys.exit(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
-            if name == "kvscale-offline":
-                rows.append((name, run_offline(trace, prompts)))
+            if name in ("kvscale-offline", "kvscale-inprocess"):
+                rows.append((name, (run_offline if name == "kvscale-offline" else run_inprocess)(trace, prompts)))
                 print(name, json.dumps(rows[-1][1]), flush=True)
                 continue
             proc, url = start_server(name, log_dir)
@@ -286,6 +331,8 @@ def main() -> None:
             if name == "kvscale-offline":
                 print(f"\nkvscale served / kvscale offline on the same requests: {ours['tok_s'] / r['tok_s']:.0%} "
                       "(target >= 90 %)")
+            elif name == "kvscale-inprocess":
+                print(f"kvscale served / kvscale in-process (no Ray, no HTTP): {ours['tok_s'] / r['tok_s']:.0%}")
             elif name != "kvscale" and r["tok_s"] > 0:
                 print(f"kvscale / {name}: throughput x{ours['tok_s'] / r['tok_s']:.2f} (target >= 1.2), p99 TTFT "
                       f"x{ours['ttft_p99'] / r['ttft_p99']:.2f} (target <= 1), ITL p50 x{ours['itl_p50'] / r['itl_p50']:.2f}")

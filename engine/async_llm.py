@@ -1,5 +1,5 @@
-"""AsyncLLM: the engine for servers. One background thread owns the engine and runs the step loop; callers
-stream with
+"""AsyncLLM: the engine for servers. One background thread builds the engine, owns it and runs the step loop
+(so a single thread runs every torch op of the model: see __init__); callers stream with
 
     async for out in llm.generate(prompt, params, request_id): ...
 
@@ -49,26 +49,41 @@ class EnginePaused(RuntimeError):
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, **kwargs: Any) -> None:
         self.config = config or EngineConfig(**kwargs)
-        engine = LLMEngine(self.config)
-        self._engine = engine  # touched by the engine thread only, from here on
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.max_model_len
-        self.generation_defaults = dict(engine.generation_defaults)
-        self.kv_cache_config = engine.kv_cache_config()
-        self._stats = engine.stats()
         self._dead: str | None = None  # why the engine loop died
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopped = threading.Event()
         # RL control state, written by the engine thread only (read anywhere: plain attributes)
-        self.model_version: Any = engine.model_version
         self.paused: str | None = None  # the pause() mode in force, or None
         self.sleep_level = 0
         self._held: list[tuple] = []  # "add" commands that came while paused, asleep or an update waited
         self._drain_waiters: list[concurrent.futures.Future] = []  # pause("wait") calls, answered when drained
         self._waiting_update: tuple | None = None  # an update_weights(pause="wait") waiting for live requests
-        self._thread = threading.Thread(target=self._loop, name="kvscale-engine", daemon=True)
+        # The engine is built in the thread that steps it, so one thread runs every torch op of this engine:
+        # libgomp keeps a pool of workers per thread that opens parallel regions, and once the pools hold more
+        # threads than there are CPUs it stops spinning at barriers and sleeps at the end of every region
+        # (a model built in the caller's thread and stepped in this one ran its small ops 2.3x slower).
+        built: concurrent.futures.Future = concurrent.futures.Future()
+        self._thread = threading.Thread(target=self._build_and_loop, args=(built,), name="kvscale-engine",
+                                        daemon=True)
         self._thread.start()
+        built.result()  # what building the engine raised, raised here
+
+    def _build_and_loop(self, built: concurrent.futures.Future) -> None:
+        try:
+            engine = LLMEngine(self.config)
+            self._engine = engine  # touched by the engine thread only, from here on
+            self.tokenizer = engine.tokenizer
+            self.max_model_len = engine.max_model_len
+            self.generation_defaults = dict(engine.generation_defaults)
+            self.kv_cache_config = engine.kv_cache_config()
+            self._stats = engine.stats()
+            self.model_version: Any = engine.model_version
+        except BaseException as e:
+            built.set_exception(e)
+            return
+        built.set_result(None)
+        self._loop()
 
     # ---- caller side ----
     def get_tokenizer(self) -> Any:

@@ -170,3 +170,44 @@ def test_a_caller_with_its_last_token_sees_its_blocks_back_in_the_stats(make_tin
             asyncio.run(run(i))
     finally:
         llm.shutdown()
+
+
+def test_the_engine_is_built_and_stepped_in_its_own_thread_and_build_errors_reach_the_caller(make_tiny_model,
+                                                                                            monkeypatch):
+    """One thread runs every torch op of the engine (libgomp keeps a worker pool per thread that opens parallel
+    regions; two pools on a 2-core machine made every region end in a sleep, async_llm.py), and a model that
+    cannot be built fails AsyncLLM(...) in the caller, as LLM(...) does."""
+    from engine.llm_engine import LLMEngine
+
+    threads: dict[str, set[str]] = {"init": set(), "step": set()}
+    init, step = LLMEngine.__init__, LLMEngine.step
+
+    def recording_init(self, *args, **kwargs):
+        threads["init"].add(threading.current_thread().name)
+        init(self, *args, **kwargs)
+
+    def recording_step(self):
+        threads["step"].add(threading.current_thread().name)
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    llm = AsyncLLM(model=make_tiny_model("llama"), dtype="float32", device="cpu", num_kv_blocks=40,
+                   max_num_seqs=4, max_model_len=256, show_progress=False)
+    try:
+        assert llm.max_model_len == 256 and llm.stats().num_total_blocks == 40 and llm.is_healthy
+
+        async def one():
+            params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+            return [out async for out in llm.generate([5, 6, 7], params, "r0")][-1]
+
+        assert len(asyncio.run(one()).outputs[0].token_ids) == 5
+    finally:
+        llm.shutdown()
+    assert threads == {"init": {"kvscale-engine"}, "step": {"kvscale-engine"}}
+
+    before = threading.active_count()
+    with pytest.raises(OSError):
+        AsyncLLM(model="/nonexistent/model-folder", dtype="float32", device="cpu", show_progress=False)
+    time.sleep(0.1)
+    assert threading.active_count() == before  # the engine thread ended with its failed build
