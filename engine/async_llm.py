@@ -62,7 +62,8 @@ class AsyncLLM:
         # The engine is built in the thread that steps it, so one thread runs every torch op of this engine:
         # libgomp keeps a pool of workers per thread that opens parallel regions, and once the pools hold more
         # threads than there are CPUs it stops spinning at barriers and sleeps at the end of every region
-        # (a model built in the caller's thread and stepped in this one ran its small ops 2.3x slower).
+        # (small ops in a thread after another had opened a pool: 1.3x slower, 2.3x beside an idle Ray app;
+        # bench/omp_pools.py).
         built: concurrent.futures.Future = concurrent.futures.Future()
         self._thread = threading.Thread(target=self._build_and_loop, args=(built,), name="kvscale-engine",
                                         daemon=True)
