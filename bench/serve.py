@@ -111,6 +111,12 @@ async def run_load(url: str, trace, prompts, strict_openai: bool = False) -> dic
         await asyncio.gather(*(one_request(client, url, model, p, out, arrival, results, strict_openai)
                                for (arrival, _, out), p in zip(trace, prompts)))
         makespan = time.perf_counter() - start
+    return summarize(results, makespan)
+
+
+def summarize(results: list[dict], makespan: float) -> dict:
+    """Throughput, TTFT and ITL of a replay: each result has ok, and when ok the send time, each chunk's
+    arrival time and the tokens it got."""
     ok = [r for r in results if r["ok"]]
     ttft = [r["times"][0] - r["sent"] for r in ok]
     itl = [b - a for r in ok for a, b in zip(r["times"], r["times"][1:])]
@@ -201,12 +207,16 @@ def start_server(name: str, log_dir: Path):
     return proc, url
 
 
+# our engine in this process, as serve_app/config.yaml runs it
+ENGINE_ARGS = dict(model="default", max_num_seqs=256, max_num_batched_tokens=2048, show_progress=False)
+
+
 def offline_engine(trace, prompts, **overrides):
     """Our engine in this process as the served app's config runs it (overrides on top), warmed up, and the
     trace's sampling params."""
     from engine import LLM, SamplingParams
 
-    llm = LLM(model="default", max_num_seqs=256, max_num_batched_tokens=2048, show_progress=False, **overrides)
+    llm = LLM(**ENGINE_ARGS, **overrides)
     params = [SamplingParams(temperature=0, max_tokens=out, ignore_eos=True) for _, _, out in trace]
     llm.generate(prompts[:4], params[:4])  # warm-up
     return llm, params
@@ -234,7 +244,7 @@ def run_inprocess(trace, prompts) -> dict:
     from serve_app.config import ServeConfig
 
     interval = ServeConfig().stream_interval_s
-    llm = AsyncLLM(model="default", max_num_seqs=256, max_num_batched_tokens=2048, show_progress=False)
+    llm = AsyncLLM(**ENGINE_ARGS)
 
     async def one(request_id, prompt, max_tokens, delay, result):
         await asyncio.sleep(delay)
@@ -245,7 +255,7 @@ def run_inprocess(trace, prompts) -> dict:
             if out.outputs and out.outputs[0].token_ids:
                 tokens += len(out.outputs[0].token_ids)
                 times.append(time.perf_counter())
-        result.append({"sent": sent, "times": times, "tokens": tokens})
+        result.append({"ok": bool(times), "sent": sent, "times": times, "tokens": tokens})
 
     async def replay(rows, tag):
         results: list[dict] = []
@@ -259,12 +269,7 @@ def run_inprocess(trace, prompts) -> dict:
         results, makespan = asyncio.run(replay(list(zip(trace, prompts)), "run"))
     finally:
         llm.shutdown()
-    ttft = [r["times"][0] - r["sent"] for r in results if r["times"]]
-    itl = [b - a for r in results for a, b in zip(r["times"], r["times"][1:])]
-    tokens = sum(r["tokens"] for r in results)
-    return {"requests": len(results), "failed": sum(not r["times"] for r in results), "tokens": tokens,
-            "makespan_s": makespan, "tok_s": tokens / makespan, "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
-            "itl_p50": _pct(itl, 50), "itl_p99": _pct(itl, 99)}
+    return summarize(results, makespan)
 
 
 def stop(proc) -> None:
