@@ -158,7 +158,8 @@ class Sampler:
         # inverse CDF: one uniform u per row, and the first token whose cumulative probability exceeds u times
         # the row's total (sums in float64, so no token's share moves by more than ~1e-12; zero-probability tokens
         # are never chosen). One random number per row, not one per vocabulary entry as exponential noise took:
-        # 36 rows x 49k tokens, 2 CPU threads: 39 ms -> 2.5 ms, when it was a third of a decode step.
+        # 36 rows x 49k tokens, 2 CPU threads: 36.7 ms -> 4.1 ms (bench/kernels.py), when it was a third of a
+        # decode step.
         u = torch.empty(batch, 1, dtype=torch.float64, device=dev)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
