@@ -145,6 +145,10 @@ def kernel_rows(device: torch.device, dtype: torch.dtype, measure) -> list[dict]
     add(f"RMSNorm  {tokens} x {hidden}", t, 2 * x.numel() * elem)
     t = measure(lambda: ops.rms_norm(x, w, 1e-6, res))
     add(f"RMSNorm + residual add  {tokens} x {hidden}", t, 4 * x.numel() * elem)
+    inter = 4 * hidden if cuda else 1536  # the MLP's width (the default model's on a CPU)
+    gate_up = torch.randn(tokens, 2 * inter, device=device, dtype=dtype)
+    t = measure(lambda: ops.silu_mul(gate_up))
+    add(f"SwiGLU gate  {tokens} x {inter}", t, 3 * tokens * inter * elem)
 
     # one decode row through a stack of weight matrices bigger than the caches, as a batch-1 step reads them
     n_out, n_in = (4 * hidden, hidden) if cuda else (3072, 576)

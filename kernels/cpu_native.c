@@ -1,5 +1,6 @@
-/* kvscale's CPU kernels (x86-64, AVX2 + FMA; bf16 GEMV with AVX512-BF16 where the CPU has it), built on first
- * use by kernels/cpu_native.py.
+/* kvscale's CPU kernels (x86-64, AVX2 + FMA; where the CPU has AVX-512 with BF16, the bf16 GEMV and prefill
+ * attention by vdpbf16ps and the elementwise kernels 16 lanes at a time), built on first use by
+ * kernels/cpu_native.py. A 16-lane loop does its 8-lane loop's operations, so both builds give the same results.
  *
  * Every kernel but the GEMV takes fp32 or bf16 tensors (flag `bf`): each has one body, specialized per dtype by
  * the compiler (always_inline with a constant flag). Loads widen bf16 to fp32, the math runs in fp32, and each
@@ -115,6 +116,47 @@ static inline __m256 exp256(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+#ifdef __AVX512F__
+/* exp256's steps on 16 lanes (the same IEEE operations lane by lane, so the same results), except that lanes
+ * below its range (-inf: masked keys) give 0 */
+static inline __m512 exp512(__m512 x) {
+    __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.3762626647949f), _CMP_LT_OQ);
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mov_ps((__mmask16)~below, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+}
+
+/* 16-lane loads and stores of fp32 or bf16 arrays, rounding as st8 and rnd8 do */
+KVS_INLINE __m512 ld16(const void *p, long i, int bf) {
+    return bf ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
+                    _mm256_loadu_si256((const __m256i *)((const bf16_t *)p + i))), 16))
+              : _mm512_loadu_ps((const float *)p + i);
+}
+KVS_INLINE __m512i f_to_bf16_bits(__m512 v) {  /* round to nearest even, in the low half of each lane */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    return _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb)), 16);
+}
+KVS_INLINE void st16(void *p, long i, __m512 v, int bf) {
+    if (bf) _mm256_storeu_si256((__m256i *)((bf16_t *)p + i), _mm512_cvtepi32_epi16(f_to_bf16_bits(v)));
+    else _mm512_storeu_ps((float *)p + i, v);
+}
+KVS_INLINE __m512 rnd16(__m512 v, int bf) {
+    return bf ? _mm512_castsi512_ps(_mm512_slli_epi32(f_to_bf16_bits(v), 16)) : v;
+}
+#endif
+
 /* Eight dot products in, one vector of their eight sums out (a hadd tree: one reduction per 8 keys, not 8). */
 static inline __m256 hsum8(const __m256 *a) {
     __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -185,27 +227,65 @@ void kvs_linear_bf16(const bf16_t *x, const bf16_t *w, const bf16_t *bias, bf16_
 
 /* RMSNorm of each row of x (optionally x + residual, which is then also written to residual_out), as the
  * reference: s = x (+ residual, rounded to the dtype), out = w * dtype(s / sqrt(mean(s^2) + eps)) with the
- * statistics in fp32 (here double). Rows in parallel; strides in elements. */
+ * statistics in fp32 (here double, in vector accumulators: two chains, so the sum runs at the vector units'
+ * rate rather than one add's latency an element). 16 lanes where built with AVX-512, then 8, then one by one;
+ * the residual's sum and the sum of squares in one pass. Rows in parallel; strides in elements. */
 KVS_INLINE void rms_norm_body(const void *x, const void *residual, void *out, void *residual_out, const void *w,
                               long rows, long hidden, long stride_x, long stride_r, float eps, int threads, int bf) {
     #pragma omp parallel for schedule(static) num_threads(rows >= 4 * threads ? threads : 1)
     for (long t = 0; t < rows; t++) {
-        const void *s = x;  /* the normalized row is s[so ...] */
-        long so = t * stride_x;
-        if (residual) {
-            for (long i = 0; i < hidden; i++)
-                st1(residual_out, t * hidden + i, ld1(x, t * stride_x + i, bf) + ld1(residual, t * stride_r + i, bf), bf);
-            s = residual_out;
-            so = t * hidden;
-        }
+        /* the normalized row is s[so ...]: x's row, or the residual's sum as stored */
+        const void *s = residual ? residual_out : x;
+        long so = residual ? t * hidden : t * stride_x, xo = t * stride_x, ro = t * stride_r, i = 0;
         double sq = 0.0;
-        for (long i = 0; i < hidden; i++) { double v = ld1(s, so + i, bf); sq += v * v; }
+#ifdef __AVX512F__
+        __m512d d0 = _mm512_setzero_pd(), d1 = _mm512_setzero_pd();
+        for (; i + 16 <= hidden; i += 16) {
+            __m512 v = ld16(x, xo + i, bf);
+            if (residual) {
+                v = rnd16(_mm512_add_ps(v, ld16(residual, ro + i, bf)), bf);
+                st16(residual_out, so + i, v, bf);
+            }
+            __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v)), hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1));
+            d0 = _mm512_add_pd(d0, _mm512_mul_pd(lo, lo));
+            d1 = _mm512_add_pd(d1, _mm512_mul_pd(hi, hi));
+        }
+        sq = _mm512_reduce_add_pd(_mm512_add_pd(d0, d1));
+#endif
+        __m256d q0 = _mm256_setzero_pd(), q1 = _mm256_setzero_pd();
+        for (; i + 8 <= hidden; i += 8) {
+            __m256 v = ld8(x, xo + i, bf);
+            if (residual) {
+                v = rnd8(_mm256_add_ps(v, ld8(residual, ro + i, bf)), bf);
+                st8(residual_out, so + i, v, bf);
+            }
+            __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+            q0 = _mm256_add_pd(q0, _mm256_mul_pd(lo, lo));
+            q1 = _mm256_add_pd(q1, _mm256_mul_pd(hi, hi));
+        }
+        double lanes[4];
+        _mm256_storeu_pd(lanes, _mm256_add_pd(q0, q1));
+        sq += (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+        for (; i < hidden; i++) {
+            double v = ld1(x, xo + i, bf);
+            if (residual) {
+                v = rnd1((float)v + ld1(residual, ro + i, bf), bf);
+                st1(residual_out, so + i, (float)v, bf);
+            }
+            sq += v * v;
+        }
         float inv = 1.0f / sqrtf((float)(sq / hidden) + eps);
-        long i = 0;
+        long oo = t * hidden;
+        i = 0;
+#ifdef __AVX512F__
+        __m512 vi16 = _mm512_set1_ps(inv);
+        for (; i + 16 <= hidden; i += 16)
+            st16(out, oo + i, _mm512_mul_ps(ld16(w, i, bf), rnd16(_mm512_mul_ps(ld16(s, so + i, bf), vi16), bf)), bf);
+#endif
         __m256 vi = _mm256_set1_ps(inv);
         for (; i + 8 <= hidden; i += 8)
-            st8(out, t * hidden + i, _mm256_mul_ps(ld8(w, i, bf), rnd8(_mm256_mul_ps(ld8(s, so + i, bf), vi), bf)), bf);
-        for (; i < hidden; i++) st1(out, t * hidden + i, ld1(w, i, bf) * rnd1(ld1(s, so + i, bf) * inv, bf), bf);
+            st8(out, oo + i, _mm256_mul_ps(ld8(w, i, bf), rnd8(_mm256_mul_ps(ld8(s, so + i, bf), vi), bf)), bf);
+        for (; i < hidden; i++) st1(out, oo + i, ld1(w, i, bf) * rnd1(ld1(s, so + i, bf) * inv, bf), bf);
     }
 }
 
@@ -225,20 +305,32 @@ KVS_INLINE void rotary_body(const void *x, void *out, const long *positions, con
     #pragma omp parallel for schedule(static) num_threads(tokens >= 4 * threads ? threads : 1)
     for (long t = 0; t < tokens; t++) {
         const float *c = cos_t + positions[t] * cs_stride, *sn = sin_t + positions[t] * cs_stride;
+        float cr[head_dim], sr[head_dim];  /* this token's table rows as the dtype holds them, for all its heads */
+        for (long i = 0; i < head_dim; i++) { cr[i] = rnd1(c[i], bf); sr[i] = rnd1(sn[i], bf); }
         for (long h = 0; h < heads; h++) {
             long xo = t * stride_xt + h * stride_xh, oo = (t * heads + h) * head_dim, i = 0;
+#ifdef __AVX512F__
+            for (; half % 16 == 0 && i < half; i += 16) {  /* the 8-lane loop's operations, twice as wide */
+                __m512 x1 = ld16(x, xo + i, bf), x2 = ld16(x, xo + i + half, bf);
+                __m512 c1 = _mm512_loadu_ps(cr + i), c2 = _mm512_loadu_ps(cr + i + half);
+                __m512 s1 = _mm512_loadu_ps(sr + i), s2 = _mm512_loadu_ps(sr + i + half);
+                __m512 nx2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
+                st16(out, oo + i, _mm512_add_ps(rnd16(_mm512_mul_ps(x1, c1), bf), rnd16(_mm512_mul_ps(nx2, s1), bf)), bf);
+                st16(out, oo + i + half, _mm512_add_ps(rnd16(_mm512_mul_ps(x2, c2), bf), rnd16(_mm512_mul_ps(x1, s2), bf)), bf);
+            }
+#endif
             for (; half % 8 == 0 && i < half; i += 8) {
                 __m256 x1 = ld8(x, xo + i, bf), x2 = ld8(x, xo + i + half, bf);
-                __m256 c1 = rnd8(_mm256_loadu_ps(c + i), bf), c2 = rnd8(_mm256_loadu_ps(c + i + half), bf);
-                __m256 s1 = rnd8(_mm256_loadu_ps(sn + i), bf), s2 = rnd8(_mm256_loadu_ps(sn + i + half), bf);
+                __m256 c1 = _mm256_loadu_ps(cr + i), c2 = _mm256_loadu_ps(cr + i + half);
+                __m256 s1 = _mm256_loadu_ps(sr + i), s2 = _mm256_loadu_ps(sr + i + half);
                 __m256 nx2 = _mm256_sub_ps(_mm256_setzero_ps(), x2);
                 st8(out, oo + i, _mm256_add_ps(rnd8(_mm256_mul_ps(x1, c1), bf), rnd8(_mm256_mul_ps(nx2, s1), bf)), bf);
                 st8(out, oo + i + half, _mm256_add_ps(rnd8(_mm256_mul_ps(x2, c2), bf), rnd8(_mm256_mul_ps(x1, s2), bf)), bf);
             }
             for (; i < half; i++) {
                 float x1 = ld1(x, xo + i, bf), x2 = ld1(x, xo + i + half, bf);
-                st1(out, oo + i, rnd1(x1 * rnd1(c[i], bf), bf) + rnd1(-x2 * rnd1(sn[i], bf), bf), bf);
-                st1(out, oo + i + half, rnd1(x2 * rnd1(c[i + half], bf), bf) + rnd1(x1 * rnd1(sn[i + half], bf), bf), bf);
+                st1(out, oo + i, rnd1(x1 * cr[i], bf) + rnd1(-x2 * sr[i], bf), bf);
+                st1(out, oo + i + half, rnd1(x2 * cr[i + half], bf) + rnd1(x1 * sr[i + half], bf), bf);
             }
         }
     }
@@ -538,13 +630,6 @@ void kvs_paged_decode(const void *q, const void *k_cache, const void *v_cache, v
 #ifdef __AVX512BF16__
 #define KVS_PF_ROWS 8
 #define KVS_PF_KEYS 32
-static inline __m512 exp512(__m512 x) {  /* exp256 on each half; lanes below its range (-inf: masked keys) are 0 */
-    __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.3762626647949f), _CMP_LT_OQ);
-    __m512 e = _mm512_insertf32x8(_mm512_castps256_ps512(exp256(_mm512_castps512_ps256(x))),
-                                  exp256(_mm512_extractf32x8_ps(x, 1)), 1);
-    return _mm512_maskz_mov_ps((__mmask16)~below, e);
-}
-
 KVS_INLINE __mmask16 first_bits(long n) {  /* the lowest n of 16 lanes */
     return n <= 0 ? 0 : n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
 }
@@ -691,6 +776,14 @@ KVS_INLINE void silu_mul_body(const void *gu, void *out, long rows, long inter, 
     for (long r = 0; r < rows; r++) {
         long g = r * stride_gu, u = g + inter, o = r * inter, i = 0;
         const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+#ifdef __AVX512F__
+        const __m512 one16 = _mm512_set1_ps(1.0f), zero16 = _mm512_setzero_ps();
+        for (; i + 16 <= inter; i += 16) {  /* the same operations as the 8-lane loop below, twice as wide */
+            __m512 gv = ld16(gu, g + i, bf);
+            __m512 s = rnd16(_mm512_div_ps(gv, _mm512_add_ps(one16, exp512(_mm512_sub_ps(zero16, gv)))), bf);
+            st16(out, o + i, _mm512_mul_ps(s, ld16(gu, u + i, bf)), bf);
+        }
+#endif
         for (; i + 8 <= inter; i += 8) {
             __m256 gv = ld8(gu, g + i, bf);
             __m256 s = rnd8(_mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv)))), bf);

@@ -320,11 +320,20 @@ def test_native_cpu_kernels_never_see_device_tensors():
     assert silu_mul_cpu(x).device.type == "meta"
 
 
-@pytest.fixture(params=["native", "library"])
+@pytest.fixture(scope="session")
+def avx2_only_build(tmp_path_factory):
+    """Our C kernels built without the AVX-512 flags (None where they cannot build at all)."""
+    from kernels.cpu_native import build_avx2_only
+
+    return build_avx2_only(tmp_path_factory.mktemp("avx2_build"))
+
+
+@pytest.fixture(params=["native", "avx2", "library"])
 def cpu_kernels(request, monkeypatch):
-    """Each CPU op twice: through our C kernels, and with them unavailable (the fallback users without a C
-    compiler or AVX2 get)."""
-    if request.param == "library":
+    """Each CPU op three times: through our C kernels as built here, through a build without AVX-512 (what CPUs with
+    AVX2 alone run: on this CPU the 8-lane loops the AVX-512 build reaches only in tails, and no AVX512-BF16
+    kernels), and with them unavailable (the fallback users without a C compiler or AVX2 get)."""
+    if request.param in ("library", "avx2"):
         import kernels.activation
         import kernels.kv_cache
         import kernels.linear
@@ -332,9 +341,12 @@ def cpu_kernels(request, monkeypatch):
         import kernels.paged_attention
         import kernels.rotary
 
+        lib = request.getfixturevalue("avx2_only_build") if request.param == "avx2" else None
+        if request.param == "avx2":
+            assert (lib is not None) == _native_expected()
         for module in (kernels.activation, kernels.kv_cache, kernels.linear, kernels.norm, kernels.paged_attention,
                        kernels.rotary):
-            monkeypatch.setattr(module, "native", lambda: None)
+            monkeypatch.setattr(module, "native", lambda: lib)
     return request.param
 
 
@@ -370,8 +382,8 @@ def test_cpu_rms_norm_and_rotary(cpu_kernels, rows, dtype):
     from kernels.rotary import rotary_cpu
 
     g = torch.Generator().manual_seed(rows)
-    x = torch.randn(rows, 2 * 580, generator=g).to(dtype)[:, :580]  # hidden not a multiple of 8: vector tails
-    res, w = torch.randn(rows, 580, generator=g).to(dtype), torch.randn(580, generator=g).to(dtype)
+    x = torch.randn(rows, 2 * 589, generator=g).to(dtype)[:, :589]  # 36 x 16 + 8 + 5: every loop and its tails
+    res, w = torch.randn(rows, 589, generator=g).to(dtype), torch.randn(589, generator=g).to(dtype)
     for residual in (None, res):
         got, want = rms_norm_cpu(x, w, 1e-5, residual), rms_norm_ref(x, w, 1e-5, residual)
         assert got[0].dtype == dtype
