@@ -97,42 +97,40 @@ void kvs_linear_f32(const float *x, const float *w, const float *bias, float *y,
     }
 }
 
-/* exp(x) on 8 floats: range reduction to n*ln2 + r and a degree-5 polynomial (the Cephes expf scheme), within
- * 2 ulp of expf for the inputs attention feeds it (x <= 0). */
-static inline __m256 exp256(__m256 x) {
-    const __m256 hi = _mm256_set1_ps(88.3762626647949f), lo = _mm256_set1_ps(-88.3762626647949f);
-    x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
-    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+/* exp(x): range reduction to n*ln2 + r and a degree-5 polynomial (the Cephes expf scheme), within 2 ulp of expf
+ * for the inputs attention feeds it (x <= 0). One list of steps for both widths (P: the intrinsics' prefix,
+ * _mm256 or _mm512), so a 16-lane exp does an 8-lane one's operations: x clamped, n = floor(x log2(e) + 1/2)
+ * given, y = e^r afterwards. */
+#define KVS_EXP_STEPS(P, x, n, y)                                                        \
+    x = P##_fnmadd_ps(n, P##_set1_ps(0.693359375f), x);                                  \
+    x = P##_fnmadd_ps(n, P##_set1_ps(-2.12194440e-4f), x);                               \
+    y = P##_set1_ps(1.9875691500E-4f);                                                   \
+    y = P##_fmadd_ps(y, x, P##_set1_ps(1.3981999507E-3f));                               \
+    y = P##_fmadd_ps(y, x, P##_set1_ps(8.3334519073E-3f));                               \
+    y = P##_fmadd_ps(y, x, P##_set1_ps(4.1665795894E-2f));                               \
+    y = P##_fmadd_ps(y, x, P##_set1_ps(1.6666665459E-1f));                               \
+    y = P##_fmadd_ps(y, x, P##_set1_ps(5.0000001201E-1f));                               \
+    y = P##_fmadd_ps(y, P##_mul_ps(x, x), P##_add_ps(x, P##_set1_ps(1.0f)))
+#define KVS_EXP_HI 88.3762626647949f
+#define KVS_LOG2E 1.44269504088896341f
+
+static inline __m256 exp256(__m256 x) {  /* 8 lanes */
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(KVS_EXP_HI)), _mm256_set1_ps(-KVS_EXP_HI));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(KVS_LOG2E), _mm256_set1_ps(0.5f))), y;
+    KVS_EXP_STEPS(_mm256, x, n, y);
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
 #ifdef __AVX512F__
-/* exp256's steps on 16 lanes (the same IEEE operations lane by lane, so the same results), except that lanes
- * below its range (-inf: masked keys) give 0 */
+/* exp256 on 16 lanes (the same IEEE operations lane by lane, so the same results), except that lanes below its
+ * range (-inf: masked keys) give 0 */
 static inline __m512 exp512(__m512 x) {
-    __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-88.3762626647949f), _CMP_LT_OQ);
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
-    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+    __mmask16 below = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-KVS_EXP_HI), _CMP_LT_OQ);
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(KVS_EXP_HI)), _mm512_set1_ps(-KVS_EXP_HI));
+    __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(KVS_LOG2E), _mm512_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC), y;
+    KVS_EXP_STEPS(_mm512, x, n, y);
     __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mov_ps((__mmask16)~below, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
 }
