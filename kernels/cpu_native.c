@@ -223,6 +223,29 @@ void kvs_linear_bf16(const bf16_t *x, const bf16_t *w, const bf16_t *bias, bf16_
 #endif
 }
 
+/* the lower and upper halves of a vector of floats, widened to doubles */
+KVS_INLINE __m256d pd_lo8(__m256 v) { return _mm256_cvtps_pd(_mm256_castps256_ps128(v)); }
+KVS_INLINE __m256d pd_hi8(__m256 v) { return _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)); }
+#ifdef __AVX512F__
+KVS_INLINE __m512d pd_lo16(__m512 v) { return _mm512_cvtps_pd(_mm512_castps512_ps256(v)); }
+KVS_INLINE __m512d pd_hi16(__m512 v) { return _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)); }
+#endif
+
+/* RMSNorm's first pass, W lanes at a time (V, VD: the float and double vectors, P: the intrinsics' prefix): x (+
+ * the residual, rounded and stored) squared into two double accumulators A0, A1. One list of steps for both
+ * widths, as KVS_EXP_STEPS. */
+#define KVS_NORM_SQUARES(W, V, VD, P, A0, A1)                                             \
+    for (; i + W <= hidden; i += W) {                                                     \
+        V v = ld##W(x, xo + i, bf);                                                       \
+        if (residual) {                                                                   \
+            v = rnd##W(P##_add_ps(v, ld##W(residual, ro + i, bf)), bf);                   \
+            st##W(residual_out, so + i, v, bf);                                           \
+        }                                                                                 \
+        VD lo = pd_lo##W(v), hi = pd_hi##W(v);                                           \
+        A0 = P##_add_pd(A0, P##_mul_pd(lo, lo));                                          \
+        A1 = P##_add_pd(A1, P##_mul_pd(hi, hi));                                          \
+    }
+
 /* RMSNorm of each row of x (optionally x + residual, which is then also written to residual_out), as the
  * reference: s = x (+ residual, rounded to the dtype), out = w * dtype(s / sqrt(mean(s^2) + eps)) with the
  * statistics in fp32 (here double, in vector accumulators: two chains, so the sum runs at the vector units'
@@ -238,29 +261,11 @@ KVS_INLINE void rms_norm_body(const void *x, const void *residual, void *out, vo
         double sq = 0.0;
 #ifdef __AVX512F__
         __m512d d0 = _mm512_setzero_pd(), d1 = _mm512_setzero_pd();
-        for (; i + 16 <= hidden; i += 16) {
-            __m512 v = ld16(x, xo + i, bf);
-            if (residual) {
-                v = rnd16(_mm512_add_ps(v, ld16(residual, ro + i, bf)), bf);
-                st16(residual_out, so + i, v, bf);
-            }
-            __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(v)), hi = _mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1));
-            d0 = _mm512_add_pd(d0, _mm512_mul_pd(lo, lo));
-            d1 = _mm512_add_pd(d1, _mm512_mul_pd(hi, hi));
-        }
+        KVS_NORM_SQUARES(16, __m512, __m512d, _mm512, d0, d1);
         sq = _mm512_reduce_add_pd(_mm512_add_pd(d0, d1));
 #endif
         __m256d q0 = _mm256_setzero_pd(), q1 = _mm256_setzero_pd();
-        for (; i + 8 <= hidden; i += 8) {
-            __m256 v = ld8(x, xo + i, bf);
-            if (residual) {
-                v = rnd8(_mm256_add_ps(v, ld8(residual, ro + i, bf)), bf);
-                st8(residual_out, so + i, v, bf);
-            }
-            __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
-            q0 = _mm256_add_pd(q0, _mm256_mul_pd(lo, lo));
-            q1 = _mm256_add_pd(q1, _mm256_mul_pd(hi, hi));
-        }
+        KVS_NORM_SQUARES(8, __m256, __m256d, _mm256, q0, q1);
         double lanes[4];
         _mm256_storeu_pd(lanes, _mm256_add_pd(q0, q1));
         sq += (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
@@ -293,6 +298,17 @@ void kvs_rms_norm(const void *x, const void *residual, void *out, void *residual
     else rms_norm_body(x, residual, out, residual_out, w, rows, hidden, stride_x, stride_r, eps, threads, 0);
 }
 
+/* rotary W lanes at a time (V: the vector type, P: the intrinsics' prefix): one list of steps for both widths */
+#define KVS_ROTARY_STEPS(W, V, P)                                                                                  \
+    for (; half % W == 0 && i < half; i += W) {                                                                    \
+        V x1 = ld##W(x, xo + i, bf), x2 = ld##W(x, xo + i + half, bf);                                             \
+        V c1 = P##_loadu_ps(cr + i), c2 = P##_loadu_ps(cr + i + half);                                             \
+        V s1 = P##_loadu_ps(sr + i), s2 = P##_loadu_ps(sr + i + half);                                             \
+        V nx2 = P##_sub_ps(P##_setzero_ps(), x2);                                                                  \
+        st##W(out, oo + i, P##_add_ps(rnd##W(P##_mul_ps(x1, c1), bf), rnd##W(P##_mul_ps(nx2, s1), bf)), bf);       \
+        st##W(out, oo + i + half, P##_add_ps(rnd##W(P##_mul_ps(x2, c2), bf), rnd##W(P##_mul_ps(x1, s2), bf)), bf); \
+    }
+
 /* Rotate-half rotary of x (tokens, heads, head_dim) into out (contiguous), cos/sin rows (fp32 tables, rounded to
  * the dtype first, as the reference's .to(dtype)) picked by position: out = x * cos + rotate_half(x) * sin, each
  * product and the sum rounded to the dtype. Tables of full head_dim width, row stride cs_stride. */
@@ -308,23 +324,9 @@ KVS_INLINE void rotary_body(const void *x, void *out, const long *positions, con
         for (long h = 0; h < heads; h++) {
             long xo = t * stride_xt + h * stride_xh, oo = (t * heads + h) * head_dim, i = 0;
 #ifdef __AVX512F__
-            for (; half % 16 == 0 && i < half; i += 16) {  /* the 8-lane loop's operations, twice as wide */
-                __m512 x1 = ld16(x, xo + i, bf), x2 = ld16(x, xo + i + half, bf);
-                __m512 c1 = _mm512_loadu_ps(cr + i), c2 = _mm512_loadu_ps(cr + i + half);
-                __m512 s1 = _mm512_loadu_ps(sr + i), s2 = _mm512_loadu_ps(sr + i + half);
-                __m512 nx2 = _mm512_sub_ps(_mm512_setzero_ps(), x2);
-                st16(out, oo + i, _mm512_add_ps(rnd16(_mm512_mul_ps(x1, c1), bf), rnd16(_mm512_mul_ps(nx2, s1), bf)), bf);
-                st16(out, oo + i + half, _mm512_add_ps(rnd16(_mm512_mul_ps(x2, c2), bf), rnd16(_mm512_mul_ps(x1, s2), bf)), bf);
-            }
+            KVS_ROTARY_STEPS(16, __m512, _mm512);
 #endif
-            for (; half % 8 == 0 && i < half; i += 8) {
-                __m256 x1 = ld8(x, xo + i, bf), x2 = ld8(x, xo + i + half, bf);
-                __m256 c1 = _mm256_loadu_ps(cr + i), c2 = _mm256_loadu_ps(cr + i + half);
-                __m256 s1 = _mm256_loadu_ps(sr + i), s2 = _mm256_loadu_ps(sr + i + half);
-                __m256 nx2 = _mm256_sub_ps(_mm256_setzero_ps(), x2);
-                st8(out, oo + i, _mm256_add_ps(rnd8(_mm256_mul_ps(x1, c1), bf), rnd8(_mm256_mul_ps(nx2, s1), bf)), bf);
-                st8(out, oo + i + half, _mm256_add_ps(rnd8(_mm256_mul_ps(x2, c2), bf), rnd8(_mm256_mul_ps(x1, s2), bf)), bf);
-            }
+            KVS_ROTARY_STEPS(8, __m256, _mm256);
             for (; i < half; i++) {
                 float x1 = ld1(x, xo + i, bf), x2 = ld1(x, xo + i + half, bf);
                 st1(out, oo + i, rnd1(x1 * cr[i], bf) + rnd1(-x2 * sr[i], bf), bf);
