@@ -237,13 +237,14 @@ def run_offline(trace, prompts) -> dict:
 
 def run_inprocess(trace, prompts) -> dict:
     """Our AsyncLLM in this process, open loop on the trace's arrivals, streaming as the served app does (deltas
-    merged every stream_interval_s): the served path without Ray's processes and HTTP."""
+    merged every stream_interval_s, within stream_max_messages_per_s): the served path without Ray's processes and
+    HTTP."""
     from engine import SamplingParams
     from engine.async_llm import AsyncLLM
     from engine.sampling_params import RequestOutputKind
     from serve_app.config import ServeConfig
 
-    interval = ServeConfig().stream_interval_s
+    interval, budget = ServeConfig().stream_interval_s, ServeConfig().stream_max_messages_per_s
     llm = AsyncLLM(**ENGINE_ARGS)
 
     async def one(request_id, prompt, max_tokens, delay, result):
@@ -251,7 +252,7 @@ def run_inprocess(trace, prompts) -> dict:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                 output_kind=RequestOutputKind.DELTA)
         sent, times, tokens = time.perf_counter(), [], 0
-        async for out in llm.generate(prompt, params, request_id, min_interval_s=interval):
+        async for out in llm.generate(prompt, params, request_id, min_interval_s=interval, max_outputs_per_s=budget):
             if out.outputs and out.outputs[0].token_ids:
                 tokens += len(out.outputs[0].token_ids)
                 times.append(time.perf_counter())

@@ -106,11 +106,14 @@ class AsyncLLM:
             raise RuntimeError("the engine loop thread is not running (the engine was shut down)")
 
     async def generate(self, prompt: str | list[int] | dict, params: SamplingParams, request_id: str,
-                       min_interval_s: float = 0.0) -> AsyncIterator[RequestOutput]:
+                       min_interval_s: float = 0.0,
+                       max_outputs_per_s: float | None = None) -> AsyncIterator[RequestOutput]:
         """Raises ValueError (before yielding) when the request is invalid or its id is already in use;
         RuntimeError if the engine failed it or cannot serve. min_interval_s: after an output, wait at least this
         long before the next, merging what the engine produced meanwhile into it (fewer, larger messages for
-        a serving path that pays per message; the first output is never held)."""
+        a serving path that pays per message; the first output is never held). max_outputs_per_s: a budget for
+        all of this engine's streams together; with n live streams each waits at least n / budget seconds, so a
+        serving path that can carry only so many messages a second gets larger ones, not a backlog."""
         self.check_health()
         if self.paused or self.sleep_level:
             raise EnginePaused("the engine is " + (f"asleep (level {self.sleep_level})" if self.sleep_level else
@@ -126,7 +129,8 @@ class AsyncLLM:
         finished, last = False, None
         try:
             while True:
-                if min_interval_s and last is not None and (wait := last + min_interval_s - loop.time()) > 0:
+                interval = max(min_interval_s, len(self._streams) / max_outputs_per_s if max_outputs_per_s else 0.0)
+                if interval and last is not None and (wait := last + interval - loop.time()) > 0:
                     await asyncio.sleep(wait)
                 item = await stream.get()
                 while not isinstance(item, BaseException) and not stream.empty():

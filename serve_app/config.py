@@ -34,6 +34,12 @@ class ServeConfig(BaseModel):
                                                                 "one message (the first token is never held): fewer "
                                                                 "messages through Ray at high token rates. 0: every "
                                                                 "step's tokens as their own message.")
+    stream_max_messages_per_s: float | None = Field(
+        250.0, gt=0.0, description="All of a replica's streams together send at most about this many messages a "
+        "second: with n streams live, each waits at least n / this between messages (max with stream_interval_s), "
+        "its tokens merged. Every message costs CPU in the replica, the ingress and the proxy (about 1.5 ms in all "
+        "on this project's 2-core machine, where they carried at most about 1,000 a second); past that they queue "
+        "and tokens reach clients long after they were made. None: no budget.")
     torch_threads: int | None = Field(None, description="CPU threads for torch (and our C kernels) in each replica; "
                                                         "None: every core the replica's process may run on (Ray "
                                                         "would otherwise cap it at the replica's num_cpus).")

@@ -140,7 +140,8 @@ class EngineServer:
         samples: dict[int, tuple[float, float | None, int]] = {}  # per sample: first and latest token times, count
         self._num_unstarted += 1
         try:
-            async for out in self.llm.generate(prompt, params, request_id, self.config.stream_interval_s):
+            async for out in self.llm.generate(prompt, params, request_id, self.config.stream_interval_s,
+                                               self.config.stream_max_messages_per_s):
                 now = time.monotonic()
                 n_new = sum(len(c.token_ids) for c in out.outputs)
                 if n_new and not first_seen:

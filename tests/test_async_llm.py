@@ -152,6 +152,38 @@ def test_min_interval_merges_steps_into_fewer_outputs_and_never_holds_the_first(
     assert min(gaps) >= 0.1 - 0.01
 
 
+def test_a_message_budget_spreads_over_the_live_streams(make_tiny_model):
+    """max_outputs_per_s bounds the outputs of all streams together (n live streams: each waits n / budget), so a
+    serving path that carries only so many messages a second gets fewer, larger ones: every token still arrives
+    once, the first of each stream at once."""
+    llm = AsyncLLM(model=make_tiny_model("llama"), dtype="float32", device="cpu", num_kv_blocks=80,
+                   max_model_len=256, show_progress=False, fake_step_s=0.005)
+
+    async def run(budget: float | None) -> tuple[float, list[list[tuple[float, int]]]]:
+        params = SamplingParams(max_tokens=80, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+        start = time.monotonic()
+
+        async def one(i: int) -> list[tuple[float, int]]:
+            return [(time.monotonic() - start, len(out.outputs[0].token_ids))
+                    async for out in llm.generate([5, 6, 7 + i], params, f"b{budget}-{i}", max_outputs_per_s=budget)]
+
+        streams = await asyncio.gather(*(one(i) for i in range(4)))
+        return time.monotonic() - start, streams
+
+    try:
+        _, free = asyncio.run(run(None))
+        wall, budgeted = asyncio.run(run(20.0))
+    finally:
+        llm.shutdown()
+    for outs in free + budgeted:
+        assert sum(n for _, n in outs) == 80
+    assert all(outs[0][1] == 1 and outs[0][0] < 0.2 for outs in budgeted)  # the first token alone, at once
+    sent = sum(len(outs) for outs in budgeted)
+    assert sent <= 4 + wall * 20 + 4 < sum(len(outs) for outs in free)  # 4 streams live: each 0.2 s apart
+    gaps = [b - a for outs in budgeted for (a, _), (b, _) in zip(outs, outs[1:-1])]
+    assert gaps and min(gaps) >= 4 / 20 - 0.02
+
+
 def test_a_caller_with_its_last_token_sees_its_blocks_back_in_the_stats(make_tiny_model):
     """The snapshot is published before a step's outputs go out: once a request's final output arrives, stats()
     already counts its KV blocks free (the autoscaler, router and tests read stats right after a request)."""
