@@ -623,11 +623,9 @@ void kvs_paged_decode(const void *q, const void *k_cache, const void *v_cache, v
  * in elements, out (q_len, heads, head_dim) contiguous. Query row i sits at position ctx - q_len + i and sees keys
  * 0 .. its position (window > 0: only the last `window` of them, its own included). A task is (query head, 8 query
  * rows): their scores against 32 keys at a time by vdpbf16ps (exact bf16 products summed in fp32; K packed once
- * per KV head as pairs of dims for 32 keys), an online softmax in fp32 (the sum over the fp32 weights), and P.V by
- * vdpbf16ps too, the weights rounded to bf16 as torch's SDPA rounds them before its P.V product (V packed once per
- * KV head as pairs of keys for every dim); the output divided by the softmax's sum and rounded once to bf16. Same
- * math as torch's SDPA up to the order of fp32 additions; what it is for: SDPA ran this shape at 55-70 GFLOP/s on
- * 2 cores (README, Performance).
+ * per KV head as pairs of dims for 32 keys), an online softmax in fp32, and P.V by fp32 FMAs over V rows widened
+ * from bf16; the output divided by the softmax's sum and rounded once to bf16. Same math as torch's SDPA up to the
+ * order of fp32 additions; what it is for: SDPA ran this shape at 55-70 GFLOP/s on 2 cores (README, Performance).
  * head_dim: a multiple of 32, at most 256. */
 #ifdef __AVX512BF16__
 #define KVS_PF_ROWS 8
@@ -635,14 +633,12 @@ void kvs_paged_decode(const void *q, const void *k_cache, const void *v_cache, v
 KVS_INLINE __mmask16 first_bits(long n) {  /* the lowest n of 16 lanes */
     return n <= 0 ? 0 : n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
 }
-static void prefill_task_bf16(const bf16_t *q, long q_stride, const bf16_t *kp, const bf16_t *vp,
+static void prefill_task_bf16(const bf16_t *q, long q_stride, const bf16_t *kp, const bf16_t *v, long v_tok,
                               bf16_t *out, long out_stride, long rows, long pos0, long window, long head_dim,
                               float scale) {
     /* rows (<= 8) query rows at positions pos0 .. pos0 + rows - 1; kp: this KV head's packed K, block b at
-     * kp + b * 32 * head_dim as [head_dim / 2][32 keys][2]; vp: its packed V, block b at the same place as
-     * [16 key pairs][head_dim][2] */
-    float o[KVS_PF_ROWS][256], m[KVS_PF_ROWS], l[KVS_PF_ROWS];
-    uint32_t p[KVS_PF_ROWS][KVS_PF_KEYS / 2];  /* each row's weights of the block's keys in bf16, a pair a word */
+     * kp + b * 32 * head_dim as [head_dim / 2][32 keys][2]; v: this KV head's row 0, v_tok elements a token */
+    float o[KVS_PF_ROWS][256], m[KVS_PF_ROWS], l[KVS_PF_ROWS], p[KVS_PF_ROWS][KVS_PF_KEYS];
     long pairs = head_dim / 2, last = pos0 + rows - 1;
     for (long r = 0; r < KVS_PF_ROWS; r++) {
         m[r] = -INFINITY;
@@ -671,7 +667,7 @@ static void prefill_task_bf16(const bf16_t *q, long q_stride, const bf16_t *kp, 
             __mmask16 m0 = first_bits(see) & (__mmask16)~first_bits(from);
             __mmask16 m1 = first_bits(see - 16) & (__mmask16)~first_bits(from - 16);
             if (!(m0 | m1) && m[r] == -INFINITY) {  /* nothing seen yet, nothing in this block: no weights */
-                for (long t = 0; t < KVS_PF_KEYS / 2; t++) p[r][t] = 0;
+                for (long t = 0; t < KVS_PF_KEYS; t++) p[r][t] = 0.0f;
                 continue;
             }
             __m512 ninf = _mm512_set1_ps(-INFINITY);
@@ -683,7 +679,8 @@ static void prefill_task_bf16(const bf16_t *q, long q_stride, const bf16_t *kp, 
             float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);
             l[r] = l[r] * corr + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
             m[r] = mn;
-            _mm512_storeu_si512(p[r], (__m512i)_mm512_cvtne2ps_pbh(e1, e0));  /* keys 0-15 low, 16-31 high */
+            _mm512_storeu_ps(p[r], e0);
+            _mm512_storeu_ps(p[r] + 16, e1);
             if (corr != 1.0f)
                 for (long d = 0; d < head_dim; d += 16)
                     _mm512_storeu_ps(o[r] + d, _mm512_mul_ps(_mm512_loadu_ps(o[r] + d), _mm512_set1_ps(corr)));
@@ -694,14 +691,13 @@ static void prefill_task_bf16(const bf16_t *q, long q_stride, const bf16_t *kp, 
                 c[r][0] = _mm512_loadu_ps(o[r] + d0);
                 c[r][1] = _mm512_loadu_ps(o[r] + d0 + 16);
             }
-            const bf16_t *vb = vp + (j0 / KVS_PF_KEYS) * KVS_PF_KEYS * head_dim + 2 * d0;
-            for (long tp = 0; tp < (nk + 1) / 2; tp++) {  /* a pair of keys a step (past nk: zero weights) */
-                __m512bh v0 = (__m512bh)_mm512_loadu_si512(vb + tp * 2 * head_dim);
-                __m512bh v1 = (__m512bh)_mm512_loadu_si512(vb + tp * 2 * head_dim + 32);
+            for (long t = 0; t < nk; t++) {
+                const bf16_t *vr = v + (j0 + t) * v_tok + d0;
+                __m512 v0 = ldbf16x16(vr), v1 = ldbf16x16(vr + 16);
                 for (long r = 0; r < rows; r++) {
-                    __m512bh w = (__m512bh)_mm512_set1_epi32((int)p[r][tp]);
-                    c[r][0] = _mm512_dpbf16_ps(c[r][0], w, v0);
-                    c[r][1] = _mm512_dpbf16_ps(c[r][1], w, v1);
+                    __m512 w = _mm512_set1_ps(p[r][t]);
+                    c[r][0] = _mm512_fmadd_ps(w, v0, c[r][0]);
+                    c[r][1] = _mm512_fmadd_ps(w, v1, c[r][1]);
                 }
             }
             for (long r = 0; r < rows; r++) {
@@ -728,20 +724,17 @@ int kvs_prefill_attention_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
     /* with a window, blocks before the first row's first key are never read: not packed */
     long b0 = window > 0 && ctx - q_len + 1 > window ? (ctx - q_len + 1 - window) / KVS_PF_KEYS : 0;
     bf16_t *kp = malloc(sizeof(bf16_t) * (size_t)(num_kv_heads * per_head));
-    bf16_t *vp = malloc(sizeof(bf16_t) * (size_t)(num_kv_heads * per_head));
     #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long gb = 0; gb < num_kv_heads * (blocks - b0); gb++) {
-        /* pack K as [head][block][dim pair][32 keys][2], V as [head][block][key pair][dim][2]; keys past ctx: 0 */
+    for (long gb = 0; gb < num_kv_heads * (blocks - b0); gb++) {  /* pack K: [head][block][dim pair][32 keys][2] */
         long g = gb / (blocks - b0), b = b0 + gb % (blocks - b0);
-        bf16_t *kd = kp + g * per_head + b * KVS_PF_KEYS * head_dim, *vd = vp + g * per_head + b * KVS_PF_KEYS * head_dim;
+        bf16_t *dst = kp + g * per_head + b * KVS_PF_KEYS * head_dim;
         for (long t = 0; t < KVS_PF_KEYS; t++) {
             long j = b * KVS_PF_KEYS + t;
-            const bf16_t *ks = k + j * k_tok + g * k_head, *vs = v + j * v_tok + g * v_head;
+            const bf16_t *src = k + j * k_tok + g * k_head;
             for (long dp = 0; dp < head_dim / 2; dp++) {
-                kd[dp * 64 + 2 * t] = j < ctx ? ks[2 * dp] : 0;
-                kd[dp * 64 + 2 * t + 1] = j < ctx ? ks[2 * dp + 1] : 0;
+                dst[dp * 64 + 2 * t] = j < ctx ? src[2 * dp] : 0;
+                dst[dp * 64 + 2 * t + 1] = j < ctx ? src[2 * dp + 1] : 0;
             }
-            for (long d = 0; d < head_dim; d++) vd[(t / 2) * 2 * head_dim + 2 * d + t % 2] = j < ctx ? vs[d] : 0;
         }
     }
     long row_blocks = (q_len + KVS_PF_ROWS - 1) / KVS_PF_ROWS, tasks = num_heads * row_blocks;
@@ -750,12 +743,11 @@ int kvs_prefill_attention_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
     for (long task = 0; task < tasks; task++) {
         long rb = row_blocks - 1 - task / num_heads, h = task % num_heads, g = h / group;
         long i0 = rb * KVS_PF_ROWS, rows = q_len - i0 < KVS_PF_ROWS ? q_len - i0 : KVS_PF_ROWS;
-        prefill_task_bf16(q + i0 * q_tok + h * head_dim, q_tok, kp + g * per_head, vp + g * per_head,
+        prefill_task_bf16(q + i0 * q_tok + h * head_dim, q_tok, kp + g * per_head, v + g * v_head, v_tok,
                           out + (i0 * num_heads + h) * head_dim, num_heads * head_dim, rows, ctx - q_len + i0,
                           window, head_dim, scale);
     }
     free(kp);
-    free(vp);
     return 1;
 #else
     (void)q; (void)k; (void)v; (void)out; (void)q_len; (void)ctx; (void)num_heads; (void)num_kv_heads;

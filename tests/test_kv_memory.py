@@ -81,6 +81,19 @@ def test_fp8_kv_keeps_the_default_models_greedy_answers(default_llms):
             assert want.token_ids == got.token_ids
 
 
+def test_a_prefix_cache_hit_gives_the_default_models_answer_again(default_llms):
+    """The same chat twice on the default model in its default dtype: the second prefill is a chunk over cached
+    blocks, on the bf16 C prefill kernel where the CPU has AVX512-BF16. It must answer as the first did (a P.V change
+    that passed the kernel tests once answered garbage here)."""
+    llm = default_llms["auto"]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    params = SamplingParams(temperature=0, max_tokens=12)
+    first = llm.chat(messages, params)[0]
+    again = llm.chat(messages, params)[0]
+    assert again.num_cached_tokens > 0  # the second was a prefix hit
+    assert again.outputs[0].text == first.outputs[0].text and "Paris" in first.outputs[0].text
+
+
 def test_kv_rotation_is_a_fixed_orthogonal_matrix_that_keeps_scores():
     for head_dim in (64, 80):  # Hadamard-based, and QR-based where head_dim is not a power of two
         r = kv_rotation(head_dim, seed=3)
