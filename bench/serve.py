@@ -244,7 +244,8 @@ def run_inprocess(trace, prompts) -> dict:
     from engine.sampling_params import RequestOutputKind
     from serve_app.config import ServeConfig
 
-    interval, budget = ServeConfig().stream_interval_s, ServeConfig().stream_max_messages_per_s
+    defaults = ServeConfig()
+    interval, budget = defaults.stream_interval_s, defaults.stream_max_messages_per_s
     llm = AsyncLLM(**ENGINE_ARGS)
 
     async def one(request_id, prompt, max_tokens, delay, result):

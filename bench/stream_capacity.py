@@ -89,7 +89,7 @@ def served(args) -> dict:
     ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": args.port})
     config = ServeConfig(engine=engine_kwargs(args), num_replicas=1, stream_interval_s=args.stream_interval,
-                         stream_max_messages_per_s=args.max_messages or None,
+                         stream_max_messages_per_s=args.max_messages,
                          max_ongoing_requests=max(1024, 2 * args.streams))
     serve.run(build_app(config), name="kvscale", route_prefix="/")
     try:
@@ -112,16 +112,15 @@ def main() -> None:
     ap.add_argument("--json", help="also write the figures here")
     args = ap.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    from serve_app.config import ServeConfig
+
+    defaults = ServeConfig()
     if args.stream_interval is None:
-        from serve_app.config import ServeConfig
-
-        args.stream_interval = ServeConfig().stream_interval_s
-    if args.max_messages is None:
-        from serve_app.config import ServeConfig
-
-        args.max_messages = ServeConfig().stream_max_messages_per_s or 0
+        args.stream_interval = defaults.stream_interval_s
+    # the config's budget: the default's, or the option's (0: none)
+    args.max_messages = defaults.stream_max_messages_per_s if args.max_messages is None else args.max_messages or None
     print(f"{args.streams} streams x {args.tokens} tokens, fake step {args.step_ms} ms, stream_interval_s "
-          f"{args.stream_interval}, stream_max_messages_per_s {args.max_messages or None}, {os.cpu_count()} cores")
+          f"{args.stream_interval}, stream_max_messages_per_s {args.max_messages}, {os.cpu_count()} cores")
     alone = offline(args)
     print(f"engine alone (offline, no serving): {alone['tok_s']:.0f} tok/s, {alone['tpot_s'] * 1e3:.1f} ms per token "
           f"per stream")

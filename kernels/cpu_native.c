@@ -246,6 +246,12 @@ KVS_INLINE __m512d pd_hi16(__m512 v) { return _mm512_cvtps_pd(_mm512_extractf32x
         A1 = P##_add_pd(A1, P##_mul_pd(hi, hi));                                          \
     }
 
+/* RMSNorm's second pass, W lanes at a time: out = w * dtype(s * inv) */
+#define KVS_NORM_SCALE(W, P)                                                                      \
+    for (; i + W <= hidden; i += W)                                                               \
+        st##W(out, oo + i, P##_mul_ps(ld##W(w, i, bf),                                            \
+                                      rnd##W(P##_mul_ps(ld##W(s, so + i, bf), P##_set1_ps(inv)), bf)), bf)
+
 /* RMSNorm of each row of x (optionally x + residual, which is then also written to residual_out), as the
  * reference: s = x (+ residual, rounded to the dtype), out = w * dtype(s / sqrt(mean(s^2) + eps)) with the
  * statistics in fp32 (here double, in vector accumulators: two chains, so the sum runs at the vector units'
@@ -281,13 +287,9 @@ KVS_INLINE void rms_norm_body(const void *x, const void *residual, void *out, vo
         long oo = t * hidden;
         i = 0;
 #ifdef __AVX512F__
-        __m512 vi16 = _mm512_set1_ps(inv);
-        for (; i + 16 <= hidden; i += 16)
-            st16(out, oo + i, _mm512_mul_ps(ld16(w, i, bf), rnd16(_mm512_mul_ps(ld16(s, so + i, bf), vi16), bf)), bf);
+        KVS_NORM_SCALE(16, _mm512);
 #endif
-        __m256 vi = _mm256_set1_ps(inv);
-        for (; i + 8 <= hidden; i += 8)
-            st8(out, oo + i, _mm256_mul_ps(ld8(w, i, bf), rnd8(_mm256_mul_ps(ld8(s, so + i, bf), vi), bf)), bf);
+        KVS_NORM_SCALE(8, _mm256);
         for (; i < hidden; i++) st1(out, oo + i, ld1(w, i, bf) * rnd1(ld1(s, so + i, bf) * inv, bf), bf);
     }
 }
@@ -768,6 +770,15 @@ void kvs_write_kv(const char *key, const char *value, char *k_cache, char *v_cac
     }
 }
 
+/* SwiGLU's gate W lanes at a time (V: the vector type, P: the intrinsics' prefix, EXP: that width's exp): one list
+ * of steps for both widths */
+#define KVS_SILU_STEPS(W, V, P, EXP)                                                                               \
+    for (; i + W <= inter; i += W) {                                                                               \
+        V gv = ld##W(gu, g + i, bf);                                                                               \
+        V s = rnd##W(P##_div_ps(gv, P##_add_ps(P##_set1_ps(1.0f), EXP(P##_sub_ps(P##_setzero_ps(), gv)))), bf);    \
+        st##W(out, o + i, P##_mul_ps(s, ld##W(gu, u + i, bf)), bf);                                                \
+    }
+
 /* SwiGLU's gate: out[r, i] = dtype(silu(gu[r, i])) * gu[r, inter + i], silu(g) = g / (1 + exp(-g)) in fp32 as
  * torch computes it, rounded to the dtype before the product as torch's separate ops do; gu rows are stride_gu
  * apart, out is contiguous (rows, inter). */
@@ -775,20 +786,10 @@ KVS_INLINE void silu_mul_body(const void *gu, void *out, long rows, long inter, 
     #pragma omp parallel for schedule(static) num_threads(rows >= 4 * threads ? threads : 1)
     for (long r = 0; r < rows; r++) {
         long g = r * stride_gu, u = g + inter, o = r * inter, i = 0;
-        const __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
 #ifdef __AVX512F__
-        const __m512 one16 = _mm512_set1_ps(1.0f), zero16 = _mm512_setzero_ps();
-        for (; i + 16 <= inter; i += 16) {  /* the same operations as the 8-lane loop below, twice as wide */
-            __m512 gv = ld16(gu, g + i, bf);
-            __m512 s = rnd16(_mm512_div_ps(gv, _mm512_add_ps(one16, exp512(_mm512_sub_ps(zero16, gv)))), bf);
-            st16(out, o + i, _mm512_mul_ps(s, ld16(gu, u + i, bf)), bf);
-        }
+        KVS_SILU_STEPS(16, __m512, _mm512, exp512);
 #endif
-        for (; i + 8 <= inter; i += 8) {
-            __m256 gv = ld8(gu, g + i, bf);
-            __m256 s = rnd8(_mm256_div_ps(gv, _mm256_add_ps(one, exp256(_mm256_sub_ps(zero, gv)))), bf);
-            st8(out, o + i, _mm256_mul_ps(s, ld8(gu, u + i, bf)), bf);
-        }
+        KVS_SILU_STEPS(8, __m256, _mm256, exp256);
         for (; i < inter; i++) {
             float gv = ld1(gu, g + i, bf);
             st1(out, o + i, rnd1(gv / (1.0f + expf(-gv)), bf) * ld1(gu, u + i, bf), bf);

@@ -59,6 +59,10 @@ def _flags(cpu_flags: set[str]) -> list[str]:
     return FLAGS + (BF16_FLAGS if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16"} <= cpu_flags else [])
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
 def _build(target: Path, compiler: str, flags: list[str]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
@@ -104,7 +108,7 @@ def native() -> ctypes.CDLL | None:
         logger.info("native CPU kernels need x86-64 with AVX2 and FMA (this CPU: %s); using torch's library "
                     "kernels", model)
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None:
         logger.warning("no C compiler found (set CC or install gcc) to build kvscale's CPU kernels; small-batch "
                        "decoding falls back to torch's library kernels, which are slower at few rows")
@@ -158,7 +162,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def build_avx2_only(directory: Path) -> ctypes.CDLL | None:
     """A build without the AVX-512 flags, as CPUs with AVX2 alone get it (into `directory`), or None where no build
     is possible; for tests, which run every kernel through it as well on a CPU that has AVX-512."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None or platform.machine() not in ("x86_64", "AMD64") or not {"avx2", "fma"} <= _cpu_flags()[1]:
         return None
     target = Path(directory) / "cpu_native-avx2.so"
