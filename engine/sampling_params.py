@@ -80,9 +80,18 @@ class SamplingParams:
             return isinstance(v, int) and not isinstance(v, bool)
 
         def real(name: str) -> float:
+            """The field as a finite float, and kept so: an int past int64 (a JSON 2**63) would pass as a number
+            here and fail the whole engine step when the sampler makes a tensor of it."""
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise bad(name, "a finite number")
+            try:
+                v = float(v)
+            except OverflowError:  # an int beyond float's range
+                raise bad(name, "a finite number") from None
+            if not math.isfinite(v):
+                raise bad(name, "a finite number")
+            object.__setattr__(self, name, v)
             return v
 
         if not is_int(self.n) or not 1 <= self.n <= MAX_N:

@@ -160,3 +160,14 @@ def test_temperatures_too_small_for_float32_logits_sample_greedily(llm):
     assert params.is_greedy and SamplingParams(temperature=1e-5).is_greedy is False
     out = llm.generate([[5, 6, 7, 8]], params)[0]
     assert out.outputs[0].finish_reason in ("stop", "length")
+
+
+def test_numbers_past_int64_are_floats_or_refused(llm):
+    """A JSON integer temperature of 2**63 passed validation and then failed the engine step of every request
+    beside it (found by the fuzz test above); 10**400 is beyond a float. Both get a clear answer."""
+    params = SamplingParams(temperature=2**63, max_tokens=3, ignore_eos=True)
+    assert isinstance(params.temperature, float)
+    outs = llm.generate([[5, 6, 7], [8, 9]], [params, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [3, 3]
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=10**400)
