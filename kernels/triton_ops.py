@@ -392,11 +392,15 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
 # ---------------------------------------------------------------------------------------------- linear
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rows, n_out, n_in, stride_x, stride_w, stride_y,
-                   HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, IEEE_DOT: tl.constexpr, ROW_EXACT_DOT: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y = x @ w.T (+ b), one (BLOCK_M, BLOCK_N) tile a program, the whole of K in BLOCK_K steps in order: no
     split-K and no tile size that depends on the shape, so an output element's sum runs the same way for any
-    row count (the batch-invariant linear; cuBLAS picks its algorithm, and its split of K, by shape)."""
+    row count (the batch-invariant linear; cuBLAS picks its algorithm, and its split of K, by shape).
+    ROW_EXACT_DOT (under the interpreter): the interpreter runs tl.dot as numpy's matmul, and the BLAS behind it
+    may round a row differently by its place in the tile (OpenBLAS's Haswell/Zen kernels do: seen on an AMD EPYC),
+    where a GPU's matrix units give each output element the same result whatever the other rows hold; so there the
+    tile's product is written out as the multiply and the sum over K it stands for."""
     pm = tl.program_id(0)
     pn = tl.program_id(1)
     rm = pm * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -409,7 +413,9 @@ def _linear_kernel(x_ptr, w_ptr, b_ptr, y_ptr, rows, n_out, n_in, stride_x, stri
                     mask=(rm[:, None] < rows) & (kk[None, :] < n_in), other=0.0)
         w = tl.load(w_ptr + rn[:, None].to(tl.int64) * stride_w + kk[None, :],
                     mask=(rn[:, None] < n_out) & (kk[None, :] < n_in), other=0.0)
-        if IEEE_DOT:
+        if ROW_EXACT_DOT:  # the interpreter: the tile product as the sum it stands for, element by element
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * tl.trans(w.to(tl.float32))[None, :, :], axis=1)
+        elif IEEE_DOT:
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w))
@@ -432,7 +438,7 @@ def linear_invariant_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     block_m, block_n, block_k = 32, 64, 32
     _linear_kernel[(triton.cdiv(rows, block_m), triton.cdiv(n_out, block_n))](
         x, weight, bias if bias is not None else x, y, rows, n_out, n_in, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32 or _INTERPRETED,
+        HAS_BIAS=bias is not None, IEEE_DOT=x.dtype == torch.float32 or _INTERPRETED, ROW_EXACT_DOT=_INTERPRETED,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
     return y
 
