@@ -18,7 +18,8 @@ the given length, decoded to text with the default model's tokenizer (the same p
   - vllm: vLLM CPU's OpenAI server from .venv-peers (`bash scripts/peers_venv.sh`), bf16, every core;
   - ray-serve-llm: Ray Serve LLM around the same vLLM (`bash scripts/peers_venv.sh --ray-serve-llm`);
   - transformers: `transformers serve --continuous-batching` (needs `pip install accelerate==1.15.0`).
-Every system gets the same model (the default), dtype (bf16), prompts, max_tokens and ignore_eos.
+Every system gets the same model (the default), dtype (what our dtype="auto" picks on this machine: bf16 where
+the CPU has AVX512-BF16, else fp32), prompts, max_tokens and ignore_eos.
 """
 from __future__ import annotations
 
@@ -133,6 +134,17 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
+def engine_dtype() -> str:
+    """What our dtype="auto" picks on this machine's CPU, the dtype every system is given: bf16 where the CPU has
+    AVX512-BF16 or AMX, else fp32 (bf16 there has no fast matmul: vLLM CPU's server in bf16 ran this trace at a
+    tenth of its fp32 speed on an AMD EPYC with AVX2 alone)."""
+    import torch
+
+    from engine.model_runner import resolve_dtype
+
+    return str(resolve_dtype("auto", torch.device("cpu"))).removeprefix("torch.")
+
+
 def machine_ceilings() -> str:
     import torch
 
@@ -143,14 +155,15 @@ def machine_ceilings() -> str:
     for _ in range(5):
         b.copy_(a)
     bw = 5 * 2 * a.numel() * 4 / (time.perf_counter() - t) / 1e9
-    x, w = torch.randn(256, 576, dtype=torch.bfloat16), torch.randn(1536, 576, dtype=torch.bfloat16)
+    dtype = getattr(torch, engine_dtype())
+    x, w = torch.randn(256, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
     x @ w.T
     t = time.perf_counter()
     for _ in range(20):
         x @ w.T
     flops = 20 * 2 * 256 * 576 * 1536 / (time.perf_counter() - t) / 1e9
     return (f"machine: {os.cpu_count()} cores, copy bandwidth {bw:.1f} GB/s, "
-            f"bf16 matmul {flops:.0f} GFLOP/s at the default model's MLP shape (256x576x1536)")
+            f"{engine_dtype()} matmul {flops:.0f} GFLOP/s at the default model's MLP shape (256x576x1536)")
 
 
 def wait_up(url: str, proc=None, timeout: float = 300) -> None:
@@ -185,22 +198,23 @@ def start_server(name: str, log_dir: Path):
                  f"{' --ray-serve-llm' if name == 'ray-serve-llm' else ''}`")
     # vLLM: 2 GiB of KV (more than these requests can hold), and every core (it would drop to one "for serving")
     vllm_env = {"VLLM_CPU_KVCACHE_SPACE": "2", "OMP_NUM_THREADS": str(os.cpu_count() or 1)}
+    dtype = engine_dtype()  # ours runs dtype auto (serve_app/config.yaml); the peers get what that picks
     if name == "kvscale":  # as users start it (scripts/serve.sh does too): Ray's actors at nice 0, not 15
         cmd = ["kvscale", "serve", str(ROOT / "serve_app" / "config.yaml")]
         url = "http://127.0.0.1:8000"
     elif name == "vllm":  # `python -m`: the `vllm` CLI looks for a distribution named vllm, this one is vllm-cpu
         cmd = [str(PEERS_PY), "-m", "vllm.entrypoints.openai.api_server", "--model", default_model_dir(),
-               "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", "8002", "--max-model-len", "2048",
+               "--dtype", dtype, "--host", "127.0.0.1", "--port", "8002", "--max-model-len", "2048",
                "--max-num-seqs", "256", "--max-num-batched-tokens", "2048"]
         env.update(vllm_env)
         url = "http://127.0.0.1:8002"
     elif name == "ray-serve-llm":
-        cmd = [str(PEERS_PY), str(ROOT / "bench" / "ray_serve_llm_peer.py"), default_model_dir(), "8003"]
+        cmd = [str(PEERS_PY), str(ROOT / "bench" / "ray_serve_llm_peer.py"), default_model_dir(), "8003", dtype]
         env.update(vllm_env)
         url = "http://127.0.0.1:8003"
     else:
         cmd = ["transformers", "serve", default_model_dir(), "--continuous-batching", "--port", "8001",
-               "--host", "127.0.0.1", "--dtype", "bfloat16", "--device", "cpu"]
+               "--host", "127.0.0.1", "--dtype", dtype, "--device", "cpu"]
         url = "http://127.0.0.1:8001"
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
     wait_up(url, proc, timeout=600)
