@@ -105,12 +105,16 @@ def matmul_rate(shapes: list[tuple[str, int, int]], tokens: int, dtype: torch.dt
 
 def single_row_pass_seconds(model_weights: list[torch.Tensor]) -> tuple[float, float]:
     """One row through every weight matrix of the model (the weights read once, from DRAM, as in decoding):
-    with the engine's linear (our C GEMV where it builds), and with torch's oneDNN linear, the library peer."""
-    from kernels.linear import linear_cpu, linear_onednn
+    with the engine's linear (our C GEMV where it builds), and with torch's oneDNN linear, the library peer (torch's
+    F.linear where oneDNN has no linear in this dtype: bf16 on a CPU without AVX512-BF16)."""
+    import torch.nn.functional as F
+
+    from kernels.linear import _onednn_mode, linear_cpu, linear_onednn
 
     xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in model_weights}
+    library = linear_onednn if _onednn_mode(model_weights[0].dtype) else F.linear
     ours = _best_time(lambda: [linear_cpu(xs[w.shape[1]], w) for w in model_weights], 5)
-    lib = _best_time(lambda: [linear_onednn(xs[w.shape[1]], w) for w in model_weights], 5)
+    lib = _best_time(lambda: [library(xs[w.shape[1]], w) for w in model_weights], 5)
     return ours, lib
 
 
@@ -505,7 +509,7 @@ def main() -> None:
               f"({ours['weight_bytes'] / 2**20:.0f} MiB of weights / {bw / 1e9:.1f} GB/s) -> {b1_tok_s / b1_roof:.0%}; "
               f"one row through all weight matrices with the engine's linear alone takes {ours['one_row_s'] * 1e3:.0f} ms "
               f"(= {1 / ours['one_row_s']:.1f} tok/s, {ours['weight_bytes'] / ours['one_row_s'] / 1e9:.1f} GB/s; "
-              f"oneDNN's linear {ours['one_row_lib_s'] * 1e3:.0f} ms, "
+              f"the library's linear {ours['one_row_lib_s'] * 1e3:.0f} ms, "
               f"{ours['weight_bytes'] / ours['one_row_lib_s'] / 1e9:.1f} GB/s), so the rest of the step costs "
               f"{1 - b1_tok_s * ours['one_row_s']:.0%} of it")
         print(f"  read-only bandwidth {read_bw / 1e9:.1f} GB/s (sum over 256 MiB: decoding only reads its weights); "
