@@ -160,11 +160,13 @@ def kernel_rows(device: torch.device, dtype: torch.dtype, measure) -> list[dict]
         xr = torch.randn(m, n_in, device=device, dtype=dtype)
         t = measure(lambda: [ops.linear(xr, w) for w in stack], repeats=10)
         add(f"linear, {m} row(s) x {len(stack)} weights of {n_out} x {n_in}", t, wbytes, 2 * m * wbytes / elem)
-        if not cuda:
-            from kernels.linear import linear_onednn
+        if not cuda:  # oneDNN, or F.linear where oneDNN has no linear in this dtype (bf16 without AVX512-BF16)
+            from kernels.linear import _onednn_mode, linear_onednn
 
-            t = measure(lambda: [linear_onednn(xr, w) for w in stack], repeats=10)
-            add("  (oneDNN's linear, same stack)", t, wbytes, 2 * m * wbytes / elem)
+            library, name = ((linear_onednn, "oneDNN's") if _onednn_mode(dtype)
+                             else (torch.nn.functional.linear, "torch's"))
+            t = measure(lambda: [library(xr, w) for w in stack], repeats=10)
+            add(f"  ({name} linear, same stack)", t, wbytes, 2 * m * wbytes / elem)
 
     if not cuda:  # sampling at temperature 1: our sampler (inverse CDF) against exponential noise + argmax
         from engine import SamplingParams
