@@ -97,6 +97,38 @@ void kvs_linear_f32(const float *x, const float *w, const float *bias, float *y,
     }
 }
 
+/* dot_f32 with `a` given in bf16 (each value widened exactly to fp32 in registers): the same FMA chains in the
+ * same order, so the same bits as dot_f32 over the widened values, from half the bytes */
+static inline float dot_f32_bf16a(const bf16_t *a, const float *b, long n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
+    __m256 a3 = _mm256_setzero_ps();
+    long i = 0;
+    for (; i + 32 <= n; i += 32) {
+        a0 = _mm256_fmadd_ps(ld8(a, i, 1), _mm256_loadu_ps(b + i), a0);
+        a1 = _mm256_fmadd_ps(ld8(a, i + 8, 1), _mm256_loadu_ps(b + i + 8), a1);
+        a2 = _mm256_fmadd_ps(ld8(a, i + 16, 1), _mm256_loadu_ps(b + i + 16), a2);
+        a3 = _mm256_fmadd_ps(ld8(a, i + 24, 1), _mm256_loadu_ps(b + i + 24), a3);
+    }
+    for (; i + 8 <= n; i += 8)
+        a0 = _mm256_fmadd_ps(ld8(a, i, 1), _mm256_loadu_ps(b + i), a0);
+    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    for (; i < n; i++) s += bf2f(a[i]) * b[i];
+    return s;
+}
+
+/* kvs_linear_f32 with the weights given as their bf16 copy, for an fp32 model whose weights are bf16 values (a
+ * bf16 checkpoint run in fp32, what CPUs without AVX512-BF16 do): the same results, bit for bit, from half the
+ * weight bytes, which is what a decode step of few rows waits on. */
+void kvs_linear_f32_bf16w(const float *x, const bf16_t *w, const float *bias, float *y,
+                          long rows, long in, long out, int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (long o = 0; o < out; o++) {
+        const bf16_t *wr = w + o * in;
+        for (long r = 0; r < rows; r++)
+            y[r * out + o] = dot_f32_bf16a(wr, x + r * in, in) + (bias ? bias[o] : 0.0f);
+    }
+}
+
 /* exp(x): range reduction to n*ln2 + r and a degree-5 polynomial (the Cephes expf scheme), within 2 ulp of expf
  * for the inputs attention feeds it (x <= 0). One list of steps for both widths (P: the intrinsics' prefix,
  * _mm256 or _mm512), so a 16-lane exp does an 8-lane one's operations: x clamped, n = floor(x log2(e) + 1/2)

@@ -143,6 +143,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     signatures = {  # the trailing int of the generic kernels: bf16 flag, then threads
         "kvs_linear_f32": [P] * 4 + [L] * 3 + [I],
         "kvs_linear_bf16": [P] * 4 + [L] * 3 + [I],
+        "kvs_linear_f32_bf16w": [P] * 4 + [L] * 3 + [I],
         "kvs_rms_norm": [P] * 5 + [L] * 4 + [ctypes.c_float, I, I],
         "kvs_rotary": [P] * 5 + [L] * 6 + [I, I],
         "kvs_paged_decode": [P] * 5 + [L] + [P] * 3 + [L] * 6 + [ctypes.c_float, ctypes.c_float] + [P] * 3 + [L] * 2

@@ -379,6 +379,36 @@ def test_cpu_linear_native_rows(cpu_kernels, rows, in_features, out_features, dt
     torch.testing.assert_close(linear_cpu(strided, w), torch.nn.functional.linear(strided, w), **NATIVE_TOL[dtype])
 
 
+@pytest.mark.parametrize("in_features", [576, 100, 37])
+def test_fp32_gemv_reads_a_bf16_valued_weight_from_its_bf16_copy_to_the_same_bits(cpu_kernels, in_features):
+    """An fp32 weight whose values are all bf16 values (a bf16 checkpoint run in fp32) is read by the GEMV from
+    its bf16 copy: half the bytes, and the same bits as the fp32 GEMV over the fp32 weight (the same products, the
+    same sums in the same order). A weight that is not bf16-exact keeps the fp32 path, and the copy follows an
+    in-place change of the weight and is dropped with the packed copies."""
+    from kernels.linear import bf16_copy, drop_packed, linear_cpu, linear_native
+
+    g = torch.Generator().manual_seed(in_features)
+    x, b = torch.randn(3, in_features, generator=g), torch.randn(200, generator=g)
+    w = torch.randn(200, in_features, generator=g).bfloat16().float()
+    got = linear_cpu(x, w, b)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), **NATIVE_TOL[torch.float32])
+    if cpu_kernels == "library" or linear_native(x, w, b) is None:
+        return  # no C GEMV here: F.linear, and no copy was made for it
+    copy = bf16_copy(w)
+    assert copy is not None and copy.dtype == torch.bfloat16 and torch.equal(copy.float(), w)
+    w_plain = w.clone()  # the same values, made not bf16-exact in its last element: the fp32 GEMV
+    w_plain[-1, -1] += 2.0**-20
+    assert bf16_copy(w_plain) is None
+    same = linear_cpu(x, w_plain, b)
+    assert torch.equal(got[:, :-1], same[:, :-1])  # the rows both read in full precision: bit for bit
+    before = linear_cpu(x, w)
+    with torch.no_grad():
+        w.mul_(-1)  # in place, as a weight push copies: the copy is remade from the new values
+    assert torch.equal(linear_cpu(x, w), -before) and torch.equal(bf16_copy(w).float(), w)
+    drop_packed([w])
+    assert not hasattr(w, "_kvscale_bf16")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_cpu_rms_norm_and_rotary(cpu_kernels, rows, dtype):
