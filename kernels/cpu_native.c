@@ -66,54 +66,54 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
-/* sum_i a[i] * b[i]: four independent FMA chains over 32 floats, then 8 at a time, then one by one */
+/* sum_i a[i] * b[i] over fp32 b, a read 8 at a time by LD8(a, i) and one at a time by LD1(a, i): four independent
+ * FMA chains over 32 floats, then 8 at a time, then one by one, into s. One list of steps for a in fp32 and in bf16
+ * (each value widened exactly), so both give the same bits for the same values. */
+#define KVS_DOT_STEPS(LD8, LD1, a, b, n, s)                                              \
+    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(); \
+    __m256 a3 = _mm256_setzero_ps();                                                     \
+    long i = 0;                                                                          \
+    for (; i + 32 <= n; i += 32) {                                                       \
+        a0 = _mm256_fmadd_ps(LD8(a, i), _mm256_loadu_ps(b + i), a0);                     \
+        a1 = _mm256_fmadd_ps(LD8(a, i + 8), _mm256_loadu_ps(b + i + 8), a1);             \
+        a2 = _mm256_fmadd_ps(LD8(a, i + 16), _mm256_loadu_ps(b + i + 16), a2);           \
+        a3 = _mm256_fmadd_ps(LD8(a, i + 24), _mm256_loadu_ps(b + i + 24), a3);           \
+    }                                                                                    \
+    for (; i + 8 <= n; i += 8)                                                           \
+        a0 = _mm256_fmadd_ps(LD8(a, i), _mm256_loadu_ps(b + i), a0);                     \
+    s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));               \
+    for (; i < n; i++) s += LD1(a, i) * b[i]
+#define KVS_F32_LD8(p, i) _mm256_loadu_ps((p) + (i))
+#define KVS_F32_LD1(p, i) ((p)[i])
+#define KVS_BF16_LD8(p, i) ld8((p), (i), 1)
+#define KVS_BF16_LD1(p, i) bf2f((p)[i])
+
 static inline float dot_f32(const float *a, const float *b, long n) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
-    __m256 a3 = _mm256_setzero_ps();
-    long i = 0;
-    for (; i + 32 <= n; i += 32) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), a3);
-    }
-    for (; i + 8 <= n; i += 8)
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
-    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < n; i++) s += a[i] * b[i];
+    float s;
+    KVS_DOT_STEPS(KVS_F32_LD8, KVS_F32_LD1, a, b, n, s);
+    return s;
+}
+
+/* dot_f32 with `a` given in bf16: the same bits as dot_f32 over the widened values, from half the bytes */
+static inline float dot_f32_bf16a(const bf16_t *a, const float *b, long n) {
+    float s;
+    KVS_DOT_STEPS(KVS_BF16_LD8, KVS_BF16_LD1, a, b, n, s);
     return s;
 }
 
 /* y[r, o] = sum_i x[r, i] * w[o, i] (+ bias[o]), for r < rows: x (rows, in), w (out, in), y (rows, out),
  * all float32, row-major, contiguous. Each thread walks its contiguous share of the weight rows in order (one
  * stream per thread, which read faster than interleaving rows: bench/results/design_figures.md); each weight row is read from memory once for all rows of x. */
+#define KVS_GEMV_F32(DOT, W_T)                                                          \
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")                   \
+    for (long o = 0; o < out; o++) {                                                    \
+        const W_T *wr = w + o * in;                                                     \
+        for (long r = 0; r < rows; r++)                                                 \
+            y[r * out + o] = DOT(wr, x + r * in, in) + (bias ? bias[o] : 0.0f);         \
+    }
 void kvs_linear_f32(const float *x, const float *w, const float *bias, float *y,
                     long rows, long in, long out, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long o = 0; o < out; o++) {
-        const float *wr = w + o * in;
-        for (long r = 0; r < rows; r++)
-            y[r * out + o] = dot_f32(wr, x + r * in, in) + (bias ? bias[o] : 0.0f);
-    }
-}
-
-/* dot_f32 with `a` given in bf16 (each value widened exactly to fp32 in registers): the same FMA chains in the
- * same order, so the same bits as dot_f32 over the widened values, from half the bytes */
-static inline float dot_f32_bf16a(const bf16_t *a, const float *b, long n) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps();
-    __m256 a3 = _mm256_setzero_ps();
-    long i = 0;
-    for (; i + 32 <= n; i += 32) {
-        a0 = _mm256_fmadd_ps(ld8(a, i, 1), _mm256_loadu_ps(b + i), a0);
-        a1 = _mm256_fmadd_ps(ld8(a, i + 8, 1), _mm256_loadu_ps(b + i + 8), a1);
-        a2 = _mm256_fmadd_ps(ld8(a, i + 16, 1), _mm256_loadu_ps(b + i + 16), a2);
-        a3 = _mm256_fmadd_ps(ld8(a, i + 24, 1), _mm256_loadu_ps(b + i + 24), a3);
-    }
-    for (; i + 8 <= n; i += 8)
-        a0 = _mm256_fmadd_ps(ld8(a, i, 1), _mm256_loadu_ps(b + i), a0);
-    float s = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
-    for (; i < n; i++) s += bf2f(a[i]) * b[i];
-    return s;
+    KVS_GEMV_F32(dot_f32, float);
 }
 
 /* kvs_linear_f32 with the weights given as their bf16 copy, for an fp32 model whose weights are bf16 values (a
@@ -121,12 +121,7 @@ static inline float dot_f32_bf16a(const bf16_t *a, const float *b, long n) {
  * weight bytes, which is what a decode step of few rows waits on. */
 void kvs_linear_f32_bf16w(const float *x, const bf16_t *w, const float *bias, float *y,
                           long rows, long in, long out, int threads) {
-    #pragma omp parallel for schedule(static) num_threads(threads)
-    for (long o = 0; o < out; o++) {
-        const bf16_t *wr = w + o * in;
-        for (long r = 0; r < rows; r++)
-            y[r * out + o] = dot_f32_bf16a(wr, x + r * in, in) + (bias ? bias[o] : 0.0f);
-    }
+    KVS_GEMV_F32(dot_f32_bf16a, bf16_t);
 }
 
 /* exp(x): range reduction to n*ln2 + r and a degree-5 polynomial (the Cephes expf scheme), within 2 ulp of expf
