@@ -161,10 +161,10 @@ def kernel_rows(device: torch.device, dtype: torch.dtype, measure) -> list[dict]
         t = measure(lambda: [ops.linear(xr, w) for w in stack], repeats=10)
         add(f"linear, {m} row(s) x {len(stack)} weights of {n_out} x {n_in}", t, wbytes, 2 * m * wbytes / elem)
         if not cuda:  # oneDNN, or F.linear where oneDNN has no linear in this dtype (bf16 without AVX512-BF16)
-            from kernels.linear import _onednn_mode, linear_onednn
+            from kernels.linear import library_linear, linear_onednn
 
-            library, name = ((linear_onednn, "oneDNN's") if _onednn_mode(dtype)
-                             else (torch.nn.functional.linear, "torch's"))
+            library = library_linear(dtype)
+            name = "oneDNN's" if library is linear_onednn else "torch's"
             t = measure(lambda: [library(xr, w) for w in stack], repeats=10)
             add(f"  ({name} linear, same stack)", t, wbytes, 2 * m * wbytes / elem)
 

@@ -155,15 +155,15 @@ def machine_ceilings() -> str:
     for _ in range(5):
         b.copy_(a)
     bw = 5 * 2 * a.numel() * 4 / (time.perf_counter() - t) / 1e9
-    dtype = getattr(torch, engine_dtype())
-    x, w = torch.randn(256, 576, dtype=dtype), torch.randn(1536, 576, dtype=dtype)
+    name = engine_dtype()
+    x, w = torch.randn(256, 576, dtype=getattr(torch, name)), torch.randn(1536, 576, dtype=getattr(torch, name))
     x @ w.T
     t = time.perf_counter()
     for _ in range(20):
         x @ w.T
     flops = 20 * 2 * 256 * 576 * 1536 / (time.perf_counter() - t) / 1e9
     return (f"machine: {os.cpu_count()} cores, copy bandwidth {bw:.1f} GB/s, "
-            f"{engine_dtype()} matmul {flops:.0f} GFLOP/s at the default model's MLP shape (256x576x1536)")
+            f"{name} matmul {flops:.0f} GFLOP/s at the default model's MLP shape (256x576x1536)")
 
 
 def wait_up(url: str, proc=None, timeout: float = 300) -> None:

@@ -107,12 +107,10 @@ def single_row_pass_seconds(model_weights: list[torch.Tensor]) -> tuple[float, f
     """One row through every weight matrix of the model (the weights read once, from DRAM, as in decoding):
     with the engine's linear (our C GEMV where it builds), and with torch's oneDNN linear, the library peer (torch's
     F.linear where oneDNN has no linear in this dtype: bf16 on a CPU without AVX512-BF16)."""
-    import torch.nn.functional as F
-
-    from kernels.linear import _onednn_mode, linear_cpu, linear_onednn
+    from kernels.linear import library_linear, linear_cpu
 
     xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in model_weights}
-    library = linear_onednn if _onednn_mode(model_weights[0].dtype) else F.linear
+    library = library_linear(model_weights[0].dtype)
     ours = _best_time(lambda: [linear_cpu(xs[w.shape[1]], w) for w in model_weights], 5)
     lib = _best_time(lambda: [library(xs[w.shape[1]], w) for w in model_weights], 5)
     return ours, lib

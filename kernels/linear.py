@@ -71,40 +71,53 @@ def row_bucket(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`weight` in oneDNN's own blocked layout, made on first use and kept on the weight itself, so it lives and
-    dies with it. Whoever changes weights drops it (drop_packed: the model runner, on every weight load and
-    before a sleep frees them); made again, besides, when the weight's storage or version counter moved. Against
-    the plain layout, which oneDNN reorders inside every call: 1.5-2x at 36 rows, 1.05-1.4x at 256-2048
-    (bench/kernels.py). The cost: a second copy of the linear weights in memory."""
-    cached = getattr(weight, "_kvscale_packed", None)
+_DERIVED = ("_kvscale_packed", "_kvscale_bf16")  # the attributes that hold a weight's derived copies
+
+
+def _derived(weight: torch.Tensor, attr: str, make):
+    """make(weight), made on first use and kept on the weight itself (as `attr`, one of _DERIVED), so it lives and
+    dies with it; made again when the weight's storage or version counter moved, and forgotten by drop_packed."""
+    cached = getattr(weight, attr, None)
     if cached is not None and cached[0] == weight.data_ptr() and cached[1] == weight._version:
         return cached[2]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-    weight._kvscale_packed = (weight.data_ptr(), weight._version, packed)
-    return packed
+    value = make(weight)
+    setattr(weight, attr, (weight.data_ptr(), weight._version, value))
+    return value
+
+
+def packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """`weight` in oneDNN's own blocked layout (_derived: made once, kept on the weight). Whoever changes weights
+    drops it (drop_packed: the model runner, on every weight load and before a sleep frees them). Against the
+    plain layout, which oneDNN reorders inside every call: 1.5-2x at 36 rows, 1.05-1.4x at 256-2048
+    (bench/kernels.py). The cost: a second copy of the linear weights in memory."""
+    return _derived(weight, "_kvscale_packed", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS_HINT))
+
+
+def _exact_bf16(weight: torch.Tensor) -> torch.Tensor | None:
+    half = weight.to(torch.bfloat16)
+    return half if torch.equal(half.float(), weight) else None
 
 
 def bf16_copy(weight: torch.Tensor) -> torch.Tensor | None:
     """An fp32 weight's values in bf16 when every one of them is a bf16 value (a bf16 checkpoint run in fp32, as
-    CPUs without AVX512-BF16 run the default model), else None; made and checked on first use and kept on the
-    weight like packed_weight (same lifetime, same drop_packed). Our fp32 GEMV reads it instead of the fp32 weight:
-    the same results bit for bit (kvs_linear_f32_bf16w), half the bytes. Its cost: half the fp32 weight's memory."""
-    cached = getattr(weight, "_kvscale_bf16", None)
-    if cached is not None and cached[0] == weight.data_ptr() and cached[1] == weight._version:
-        return cached[2]
-    half = weight.to(torch.bfloat16)
-    copy = half if torch.equal(half.float(), weight) else None
-    weight._kvscale_bf16 = (weight.data_ptr(), weight._version, copy)
-    return copy
+    CPUs without AVX512-BF16 run the default model), else None; checked and kept like packed_weight (_derived).
+    Our fp32 GEMV reads it instead of the fp32 weight: the same results bit for bit (kvs_linear_f32_bf16w), half
+    the bytes. Its cost: half the fp32 weight's memory."""
+    return _derived(weight, "_kvscale_bf16", _exact_bf16)
 
 
 def drop_packed(weights) -> None:
     """Forget the packed and bf16 copies of these weights (before their memory is freed, e.g. a level-2 sleep)."""
     for w in weights:
-        for name in ("_kvscale_packed", "_kvscale_bf16"):
-            if hasattr(w, name):
-                delattr(w, name)
+        for attr in _DERIVED:
+            if hasattr(w, attr):
+                delattr(w, attr)
+
+
+def library_linear(dtype: torch.dtype):
+    """The library's linear that the benches time our GEMV against, as it is (plain weights, no row padding):
+    oneDNN's where this torch takes the dtype, else F.linear (bf16 on a CPU without AVX512-BF16 or AMX)."""
+    return linear_onednn if _onednn_mode(dtype) else F.linear
 
 
 def linear_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
