@@ -5,9 +5,12 @@ uses), alternately alone and beside a neighbour process that busy-waits `--busy-
 default 1 ms in 5: a fifth of one core, about what Ray's idle processes plus the ingress, proxy and load
 generator take during a served run). Torch's and oneDNN's OpenMP loops split each op statically over the
 cores, so a core taken for a moment stalls the other at the loop's end: the engine loses more than the
-neighbour uses.
+neighbour uses. fp32 linear layers of 64 rows and more run as dynamically scheduled tiles (kernels/linear.py:
+linear_tiled), where the other core takes the next tiles meanwhile; KVSCALE_TILED_LINEAR=0 gives them back to
+oneDNN's statically split GEMM, for an A/B.
 
-  python bench/contention.py                 # alone, beside, alone, beside (one process, back to back)
+  python bench/contention.py                          # alone, beside, alone, beside (one process, back to back)
+  KVSCALE_TILED_LINEAR=0 python bench/contention.py   # the same with oneDNN's GEMM for fp32's many-row linears
 """
 from __future__ import annotations
 

@@ -168,6 +168,19 @@ def kernel_rows(device: torch.device, dtype: torch.dtype, measure) -> list[dict]
             t = measure(lambda: [library(xr, w) for w in stack], repeats=10)
             add(f"  ({name} linear, same stack)", t, wbytes, 2 * m * wbytes / elem)
 
+    if not cuda and dtype == torch.float32:  # many rows (prefill): our tiled linear against oneDNN's on the packed
+        # weight, the MLP's up projection (the tiles' point shows beside another process: bench/contention.py)
+        from kernels.linear import linear_onednn, linear_tiled, packed_weight
+
+        w_up = torch.randn(2 * 1536, 576)
+        for m in (64, 2048):
+            xr = torch.randn(m, 576)
+            ours = "tiled" if linear_tiled(xr, w_up) is not None else "linear_cpu"
+            t = measure(lambda: ops.linear(xr, w_up), repeats=10)
+            add(f"linear, {m} rows x 576 -> 3072 ({ours})", t, w_up.numel() * 4, 2 * m * w_up.numel())
+            t = measure(lambda: linear_onednn(xr, packed_weight(w_up)), repeats=10)
+            add("  (oneDNN's linear, packed weight)", t, w_up.numel() * 4, 2 * m * w_up.numel())
+
     if not cuda:  # sampling at temperature 1: our sampler (inverse CDF) against exponential noise + argmax
         from engine import SamplingParams
         from engine.sampler import Sampler

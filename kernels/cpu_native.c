@@ -124,6 +124,40 @@ void kvs_linear_f32_bf16w(const float *x, const bf16_t *w, const float *bias, fl
     KVS_GEMV_F32(dot_f32_bf16a, bf16_t);
 }
 
+/* The library's fp32 GEMM (BLAS sgemm, Fortran interface: column-major, arguments by pointer), given once by
+ * kernels/cpu_native.py from the library torch itself calls (kvs_set_sgemm); kvs_linear_tiled_f32 returns 0
+ * while it is unset. */
+typedef void (*kvs_sgemm_fn)(const char *, const char *, const int *, const int *, const int *, const float *,
+                             const float *, const int *, const float *, const int *, const float *, float *, const int *);
+static kvs_sgemm_fn kvs_sgemm;
+void kvs_set_sgemm(void *fn) { kvs_sgemm = (kvs_sgemm_fn)fn; }
+
+/* y = x @ w.T (+ bias) for many rows (prefill, larger decode batches): fp32, row-major, contiguous, as
+ * kvs_linear_f32. The output is cut into tiles of tile_rows x tile_cols, each one single-threaded sgemm call (the
+ * BLAS runs sequentially inside a parallel region), handed out to the threads one at a time (dynamic schedule).
+ * Why not one multithreaded GEMM: the library splits its work statically over the threads, so when another
+ * process takes one core for a moment (on a small machine: Ray's processes, the HTTP proxy, the client) the other
+ * core waits at the end of the call; here it takes the next tiles meanwhile (bench/contention.py). Returns 1, or 0
+ * (nothing done) when no sgemm was given. */
+int kvs_linear_tiled_f32(const float *x, const float *w, const float *bias, float *y, long rows, long in, long out,
+                         long tile_rows, long tile_cols, int threads) {
+    if (!kvs_sgemm) return 0;
+    long tiles_m = (rows + tile_rows - 1) / tile_rows, tiles_n = (out + tile_cols - 1) / tile_cols;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (long t = 0; t < tiles_m * tiles_n; t++) {
+        long r0 = (t / tiles_n) * tile_rows, o0 = (t % tiles_n) * tile_cols;
+        int m = (int)(rows - r0 < tile_rows ? rows - r0 : tile_rows);
+        int n = (int)(out - o0 < tile_cols ? out - o0 : tile_cols);
+        int k = (int)in, ldy = (int)out;
+        const float one = 1.0f, beta = bias ? 1.0f : 0.0f;
+        if (bias)  /* as torch's addmm: the bias first, then the product added to it (the same bits as F.linear) */
+            for (long r = r0; r < r0 + m; r++) memcpy(y + r * out + o0, bias + o0, (size_t)n * sizeof(float));
+        /* column-major view: y.T[n, m] = w[o0:o0+n] @ x[r0:r0+m].T, i.e. sgemm("T", "N") on the row-major arrays */
+        kvs_sgemm("T", "N", &n, &m, &k, &one, w + o0 * in, &k, x + r0 * in, &k, &beta, y + r0 * out + o0, &ldy);
+    }
+    return 1;
+}
+
 /* exp(x): range reduction to n*ln2 + r and a degree-5 polynomial (the Cephes expf scheme), within 2 ulp of expf
  * for the inputs attention feeds it (x <= 0). One list of steps for both widths (P: the intrinsics' prefix,
  * _mm256 or _mm512), so a 16-lane exp does an 8-lane one's operations: x clamped, n = floor(x log2(e) + 1/2)

@@ -137,8 +137,27 @@ def native() -> ctypes.CDLL | None:
     return _declare(lib)
 
 
+def _library_sgemm() -> int | None:
+    """The address of the BLAS sgemm torch itself calls (MKL's, in torch's CPU wheels; Fortran interface), or None
+    where this torch build exports none."""
+    import torch
+
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        if (lib_dir / name).exists():
+            try:
+                torch_cpu = ctypes.CDLL(str(lib_dir / name))
+            except OSError:
+                return None
+            for symbol in ("sgemm_", "sgemm"):
+                fn = getattr(torch_cpu, symbol, None)
+                if fn is not None:
+                    return ctypes.cast(fn, ctypes.c_void_p).value
+    return None
+
+
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """Every kernel's argument types on a loaded build."""
+    """Every kernel's argument types on a loaded build, and the library sgemm kvs_linear_tiled_f32 calls."""
     P, L, I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     signatures = {  # the trailing int of the generic kernels: bf16 flag, then threads
         "kvs_linear_f32": [P] * 4 + [L] * 3 + [I],
@@ -151,12 +170,16 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kvs_write_kv": [P] * 5 + [L] * 4,
         "kvs_silu_mul": [P] * 2 + [L] * 3 + [I, I],
         "kvs_prefill_attention_bf16": [P] * 4 + [L] * 11 + [ctypes.c_float, I],
+        "kvs_linear_tiled_f32": [P] * 4 + [L] * 5 + [I],
+        "kvs_set_sgemm": [P],
     }
     for name, argtypes in signatures.items():
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = None
     lib.kvs_has_avx512bf16.restype = I
     lib.kvs_prefill_attention_bf16.restype = I
+    lib.kvs_linear_tiled_f32.restype = I
+    lib.kvs_set_sgemm(_library_sgemm())
     return lib
 
 

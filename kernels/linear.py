@@ -17,6 +17,7 @@ of the row count, at most 12.5 % extra rows. It gets each weight packed once in 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -166,8 +167,59 @@ def linear_invariant_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+TILE_ROWS, TILE_COLS = 128, 512  # kvs_linear_tiled_f32's tiles (columns evened out): bench/kernels.py
+# Below this many rows oneDNN on the packed weight keeps the fp32 linear: each tile's sgemm packs its share of the
+# weight again, which fewer rows amortize less (the LM head at 6-48 rows: 10-40 % slower tiled)
+TILED_MIN_ROWS = 64
+
+
+def _tile_cols(out: int) -> int:
+    """Columns per tile: out cut into ceil(out / TILE_COLS) even parts, rounded up to 16."""
+    parts = -(-out // TILE_COLS)
+    return -(-(-(-out // parts)) // 16) * 16
+
+
+@functools.cache
+def _tiled_available() -> bool:
+    """Whether linear_tiled runs here: the C kernels built, the library's sgemm found, and a probe agreeing with
+    F.linear (KVSCALE_TILED_LINEAR=0 turns it off, for A/B runs)."""
+    if os.environ.get("KVSCALE_TILED_LINEAR", "1") == "0" or native() is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    x, w, b = torch.randn(300, 72, generator=g), torch.randn(530, 72, generator=g), torch.randn(530, generator=g)
+    y = torch.empty(300, 530)
+    if not native().kvs_linear_tiled_f32(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 300, 72, 530, 128,
+                                         _tile_cols(530), torch.get_num_threads()):
+        return False
+    return torch.allclose(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+
+
+def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """fp32 x @ W.T (+ b) for many rows as tiles of single-threaded library GEMMs that the threads take one at a
+    time (kvs_linear_tiled_f32): as fast as oneDNN on packed weights alone, and where another process takes a core
+    for a moment, the other core goes on with the next tiles instead of waiting at the end of a statically split
+    GEMM (bench/contention.py). None where it does not apply."""
+    if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or x.shape[0] < TILED_MIN_ROWS
+            or not x.is_cpu
+            or not weight.is_cpu or not weight.is_contiguous() or (bias is not None and (
+                bias.dtype != torch.float32 or not bias.is_contiguous()))):
+        return None
+    lib = native()
+    if lib is None or not _tiled_available():
+        return None
+    x = x.contiguous()
+    rows, out = x.shape[0], weight.shape[0]
+    y = torch.empty(rows, out)
+    lib.kvs_linear_tiled_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                  y.data_ptr(), rows, x.shape[1], out, TILE_ROWS, _tile_cols(out),
+                                  torch.get_num_threads())
+    return y
+
+
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     y = linear_native(x, weight, bias)
+    if y is None:
+        y = linear_tiled(x, weight, bias)
     if y is not None:
         return y
     mode = _onednn_mode(x.dtype) if x.dim() == 2 and x.device.type == "cpu" and x.dtype == weight.dtype else None

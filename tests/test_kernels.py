@@ -379,6 +379,32 @@ def test_cpu_linear_native_rows(cpu_kernels, rows, in_features, out_features, dt
     torch.testing.assert_close(linear_cpu(strided, w), torch.nn.functional.linear(strided, w), **NATIVE_TOL[dtype])
 
 
+@pytest.mark.parametrize("rows", [6, 64, 128, 300])
+@pytest.mark.parametrize("in_features,out_features", [(96, 200), (576, 1536), (50, 1100)])
+def test_fp32_linear_in_dynamically_scheduled_tiles_is_the_librarys_gemm(cpu_kernels, rows, in_features,
+                                                                        out_features):
+    """From TILED_MIN_ROWS rows, fp32 goes to the tiled linear: tiles of TILE_ROWS x about TILE_COLS (ragged last ones:
+    rows and outputs not multiples of them) through the library's own sgemm, taken by the threads one at a time.
+    Each output element is that sgemm's dot product, with the bias first as torch's addmm puts it, so the results
+    are F.linear's; where the C kernels are unavailable linear_cpu goes on without it."""
+    from kernels.linear import TILE_COLS, TILED_MIN_ROWS, _tile_cols, linear_cpu, linear_tiled
+
+    g = torch.Generator().manual_seed(rows + out_features)
+    x = torch.randn(rows, in_features, generator=g)
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g)
+    tiled = linear_tiled(x, w, b)
+    assert (tiled is None) == (cpu_kernels == "library" or not _native_expected() or rows < TILED_MIN_ROWS)
+    for bias in (None, b):
+        torch.testing.assert_close(linear_cpu(x, w, bias), torch.nn.functional.linear(x, w, bias),
+                                   **NATIVE_TOL[torch.float32])
+    if tiled is not None:  # the library's own sums: as close as the same GEMM on another row count gets
+        torch.testing.assert_close(tiled, torch.nn.functional.linear(x, w, b), atol=1e-5, rtol=1e-5)
+        cols, parts = _tile_cols(out_features), -(-out_features // TILE_COLS)
+        assert cols % 16 == 0 and (parts - 1) * cols < out_features <= parts * cols  # even tiles, none empty
+        assert linear_tiled(x.bfloat16(), w.bfloat16()) is None  # fp32 only: bf16 keeps oneDNN
+
+
 @pytest.mark.parametrize("in_features", [576, 100, 37])
 def test_fp32_gemv_reads_a_bf16_valued_weight_from_its_bf16_copy_to_the_same_bits(cpu_kernels, in_features):
     """An fp32 weight whose values are all bf16 values (a bf16 checkpoint run in fp32) is read by the GEMV from
@@ -523,7 +549,7 @@ def test_rotary(head_dim, dtype):
     emb = torch.cat([freqs, freqs], dim=-1)
     cos, sin = emb.cos(), emb.sin()
     q = torch.randn(9, 8, head_dim, generator=g).to(dtype)
-    k = torch.randn(9, 2, head_dim, generator=g).to(dtype)
+    k = torch.randn(9, 3, head_dim, generator=g).to(dtype)  # a head count not a power of two: masked heads
     pos = torch.tensor([0, 1, 2, 15, 16, 17, 300, 301, 511])
     want_q, want_k = rotary_ref(q, k, pos, cos, sin)
     got_q, got_k = triton_ops.rotary_triton(q, k, pos, cos, sin)
@@ -673,14 +699,15 @@ def test_fp8_attention_every_backend_matches_the_reference_on_the_dequantized_ca
     meta.plans.clear()
     got = paged_attention_sdpa(q, k8, v8, meta, 0.125, window, K_SCALE, V_SCALE, key, value)  # C decode or SDPA
     torch.testing.assert_close(got, want, **FP8_TOL[dtype])
+    if cpu_kernels != "native":  # the Triton kernels do not use the C build: checked once, with the "native" case
+        return
     for splits in (None, 2):
         got = triton_ops.paged_attention_triton(q, k8, v8, meta, 0.125, window, K_SCALE, V_SCALE, key, value,
                                                 num_splits=splits)
         torch.testing.assert_close(got, want, **FP8_TOL[dtype])
     if not own:  # batch-invariant mode: own tokens are read as written only by the query token itself, which a
         # chunk's other tokens see from the pages; without `own` the pages are all there is, as in the reference
-        invariant = [triton_ops.paged_attention_invariant_triton] + (
-            [paged_attention_invariant_cpu] if cpu_kernels == "native" and native() else [])
+        invariant = [triton_ops.paged_attention_invariant_triton] + ([paged_attention_invariant_cpu] if native() else [])
         for op in invariant:
             meta.plans.clear()
             torch.testing.assert_close(op(q, k8, v8, meta, 0.125, window, K_SCALE, V_SCALE), want,
