@@ -8,8 +8,9 @@
   its own position (causal within a chunk, full over the cached prefix), so decode, chunked prefill and
   prefix-cache hits are one kernel. Long contexts at small batch are split over several programs
   (flash-decoding); a second kernel merges their partial softmaxes.
-- rms_norm: one program per row, fp32 statistics, optional fused residual add.
-- rotary: one program per (token, head), rotate-half form, cos/sin from the engine's table.
+- rms_norm: several rows a program where rows are short (one from 4096 elements up), fp32 statistics per row,
+  optional fused residual add.
+- rotary: one program per token (all its heads), rotate-half form, cos/sin from the engine's table.
 
 Tested against the references under TRITON_INTERPRET=1 on CPU (tests/test_kernels.py); on CUDA they
 are what `kernels.select_ops` picks.
@@ -307,23 +308,30 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 # ---------------------------------------------------------------------------------------------- RMSNorm
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, stride_x, stride_r, stride_o, stride_ro,
-                     hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
-    # Math in fp32, rounded to the activation dtype where the reference rounds (after the residual add,
-    # after normalizing), so bf16 results match it to the last bit in most elements.
-    row = tl.program_id(0)
-    i = tl.arange(0, BLOCK)
-    mask = i < hidden
+def _rms_norm_kernel(x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr, rows, stride_x, stride_r, stride_o, stride_ro,
+                     hidden, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    # ROWS rows a program, each reduced on its own. Math in fp32, rounded to the activation dtype where the
+    # reference rounds (after the residual add, after normalizing), so bf16 results match it to the last bit in
+    # most elements.
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)[:, None]
+    i = tl.arange(0, BLOCK)[None, :]
+    mask = (r < rows) & (i < hidden)
     dtype = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * stride_x + i, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + r * stride_x + i, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        x = x + tl.load(res_ptr + row * stride_r + i, mask=mask, other=0.0).to(tl.float32)
+        x = x + tl.load(res_ptr + r * stride_r + i, mask=mask, other=0.0).to(tl.float32)
         x = x.to(dtype).to(tl.float32)
-        tl.store(res_out_ptr + row * stride_ro + i, x.to(dtype), mask=mask)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    normed = (x * inv).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + i, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + i, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(res_out_ptr + r * stride_ro + i, x.to(dtype), mask=mask)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / hidden + eps)
+    normed = (x * inv[:, None]).to(dtype).to(tl.float32)
+    w = tl.load(w_ptr + i, mask=i < hidden, other=0.0).to(tl.float32)
+    tl.store(out_ptr + r * stride_o + i, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows_per_program(block: int) -> int:
+    """Rows one program takes: several where rows are short (a q/k norm's head_dim, a small model's hidden size),
+    one from 4096 elements up; about as many elements a program either way."""
+    return max(1, min(16, 4096 // block))
 
 
 def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -339,32 +347,34 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float,
     if x2.shape[0] > 0:
         r = r2 if r2 is not None else x2
         ro = res_out if res_out is not None else out
-        _rms_norm_kernel[(x2.shape[0],)](x2, r, out, ro, weight, x2.stride(0), r.stride(0), out.stride(0),
-                                         ro.stride(0), hidden, eps, HAS_RESIDUAL=residual is not None,
-                                         BLOCK=triton.next_power_of_2(hidden))
+        block = triton.next_power_of_2(hidden)
+        rows = _rows_per_program(block)
+        _rms_norm_kernel[(triton.cdiv(x2.shape[0], rows),)](
+            x2, r, out, ro, weight, x2.shape[0], x2.stride(0), r.stride(0), out.stride(0), ro.stride(0), hidden, eps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, ROWS=rows)
     return out.view(shape), (res_out.view(shape) if res_out is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------- rotary
 @triton.jit
 def _rotary_kernel(x_ptr, out_ptr, pos_ptr, cos_ptr, sin_ptr, stride_xt, stride_xh, stride_ot, stride_oh,
-                   stride_c, half, BLOCK_H: tl.constexpr):
-    # fp32 math, rounded where the reference (which works in the activation dtype) rounds: the table on
-    # its cast, each product, the sum.
+                   stride_c, heads, half, BLOCK_HEADS: tl.constexpr, BLOCK_H: tl.constexpr):
+    # One token a program, all its heads. fp32 math, rounded where the reference (which works in the activation
+    # dtype) rounds: the table on its cast, each product, the sum.
     t = tl.program_id(0)
-    h = tl.program_id(1)
+    h = tl.arange(0, BLOCK_HEADS)[:, None]
+    i = tl.arange(0, BLOCK_H)[None, :]
+    mask = (h < heads) & (i < half)
     pos = tl.load(pos_ptr + t)
-    i = tl.arange(0, BLOCK_H)
-    mask = i < half
     dtype = x_ptr.dtype.element_ty
     base = x_ptr + t * stride_xt + h * stride_xh
     x1 = tl.load(base + i, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(base + half + i, mask=mask, other=0.0).to(tl.float32)
     row = pos * stride_c
-    cos1 = tl.load(cos_ptr + row + i, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    cos2 = tl.load(cos_ptr + row + half + i, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    sin1 = tl.load(sin_ptr + row + i, mask=mask, other=0.0).to(dtype).to(tl.float32)
-    sin2 = tl.load(sin_ptr + row + half + i, mask=mask, other=0.0).to(dtype).to(tl.float32)
+    cos1 = tl.load(cos_ptr + row + i, mask=i < half, other=0.0).to(dtype).to(tl.float32)
+    cos2 = tl.load(cos_ptr + row + half + i, mask=i < half, other=0.0).to(dtype).to(tl.float32)
+    sin1 = tl.load(sin_ptr + row + i, mask=i < half, other=0.0).to(dtype).to(tl.float32)
+    sin2 = tl.load(sin_ptr + row + half + i, mask=i < half, other=0.0).to(dtype).to(tl.float32)
     a1 = (x1 * cos1).to(dtype).to(tl.float32)
     b1 = (x2 * sin1).to(dtype).to(tl.float32)
     a2 = (x2 * cos2).to(dtype).to(tl.float32)
@@ -383,9 +393,10 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_cache.stride() == sin_cache.stride()
     half = head_dim // 2
     for x, out in ((q, q_out), (k, k_out)):
-        _rotary_kernel[(num_tokens, x.shape[1])](x, out, positions, cos_cache, sin_cache, x.stride(0),
-                                                 x.stride(1), out.stride(0), out.stride(1), cos_cache.stride(0),
-                                                 half, BLOCK_H=triton.next_power_of_2(half))
+        _rotary_kernel[(num_tokens,)](x, out, positions, cos_cache, sin_cache, x.stride(0), x.stride(1),
+                                      out.stride(0), out.stride(1), cos_cache.stride(0), x.shape[1], half,
+                                      BLOCK_HEADS=triton.next_power_of_2(x.shape[1]),
+                                      BLOCK_H=triton.next_power_of_2(half))
     return q_out, k_out
 
 
