@@ -11,6 +11,7 @@ oneDNN's statically split GEMM, for an A/B.
 
   python bench/contention.py                          # alone, beside, alone, beside (one process, back to back)
   KVSCALE_TILED_LINEAR=0 python bench/contention.py   # the same with oneDNN's GEMM for fp32's many-row linears
+  python bench/contention.py --thread                 # the neighbour a Python thread in the engine's process
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import argparse
 import multiprocessing as mp
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -38,6 +40,9 @@ def main() -> None:
     ap.add_argument("--busy-ms", type=float, default=1.0)
     ap.add_argument("--period-ms", type=float, default=4.0, help="sleep between busy-waits")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--thread", action="store_true",
+                    help="the neighbour is a thread of the engine's process, busy in Python (holding the GIL), as "
+                         "Ray's and the serving path's threads are in a replica")
     ap.add_argument("--offset", type=int, default=3000)
     args = ap.parse_args()
     trace = replay.load_trace("conv", 48, args.offset, 2.0, 512, 64)
@@ -48,9 +53,10 @@ def main() -> None:
     llm, params = replay.offline_engine(trace, prompts, enable_prefix_caching=False)
     for _ in range(args.rounds):
         for beside in (False, True):
-            stop = mp.Event()
+            stop = threading.Event() if args.thread else mp.Event()
             if beside:
-                proc = mp.Process(target=neighbour, args=(args.busy_ms / 1e3, args.period_ms / 1e3, stop))
+                kind = threading.Thread if args.thread else mp.Process
+                proc = kind(target=neighbour, args=(args.busy_ms / 1e3, args.period_ms / 1e3, stop))
                 proc.start()
             cpu0 = time.process_time()
             start = time.perf_counter()
@@ -61,7 +67,8 @@ def main() -> None:
                 stop.set()
                 proc.join()
             tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-            print(f"{'beside a neighbour at ' + format(share, '.0%') + ' of a core' if beside else 'alone':<32} "
+            what = f"beside a neighbour {'thread' if args.thread else 'process'} at {share:.0%} of a core"
+            print(f"{what if beside else 'alone':<32} "
                   f"{tokens / wall:6.1f} tok/s  wall {wall:5.1f} s  engine CPU {cpu:5.1f} s "
                   f"({cpu / wall / (os.cpu_count() or 1):.0%} of the cores)", flush=True)
 
