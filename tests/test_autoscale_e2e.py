@@ -34,7 +34,7 @@ from helpers import local_serve, wait_until_serving
 pytestmark = pytest.mark.slow
 
 BLOCKS, BLOCK = 96, 16
-STEP_S = 0.06  # seconds per engine step in the scaling test: 600 decode steps outlast the 15 s quiet period
+STEP_S = 0.06  # seconds per engine step in the scaling test: 450 decode steps outlast the 10 s quiet period
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +179,8 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
     assert math.ceil(concurrency / target_ongoing) == 1, "the request-count policy would stay at one replica"
     serve.run(build_app({"model": "default", "num_kv_blocks": BLOCKS, "block_size": BLOCK, "max_model_len": 1024,
                          "torch_threads": 1, "max_num_seqs": 8, "num_replicas": None, "min_replicas": 1,
-                         "max_replicas": 2, "kv_target_utilization": 0.9, "downscale_quiet_s": 15,
-                         "downscale_window_s": 15,
+                         "max_replicas": 2, "kv_target_utilization": 0.9, "downscale_quiet_s": 10,
+                         "downscale_window_s": 10,
                          # Every engine step costs STEP_S (the real scheduler, block manager and KV accounting
                          # run; the model's forward is a sleep). The phases below are timed against the
                          # autoscaler's quiet period, so their length must not follow this CPU's decode
@@ -214,9 +214,9 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
         return [r for rs in results for r in rs]
 
     try:
-        # 1. Short requests, two at a time, for ~15 s: a few blocks each.
+        # 1. Short requests, two at a time, for ~10 s: a few blocks each.
         t0 = time.time()
-        short = asyncio.run(phase([([random_prompt(rng, 24) for _ in range(1000)], 16, t0 + 15)
+        short = asyncio.run(phase([([random_prompt(rng, 24) for _ in range(1000)], 16, t0 + 10)
                                    for _ in range(concurrency)]))
         time.sleep(4)  # what the autoscaler saw last has had time to act
         t1 = time.time()
@@ -237,21 +237,21 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
         assert peak <= concurrency
         assert max(watch.between(t1, t2)) == 2, "long prompts at the same request count must scale up"
 
-        # 3. Two long, low-KV streams (16 + 600 tokens = 39 blocks each: both fit one replica under target),
-        #    each outlasting the quiet period (600 steps of STEP_S), so the step down comes while both are in
+        # 3. Two long, low-KV streams (16 + 450 tokens = 30 blocks each: both fit one replica under target),
+        #    each outlasting the quiet period (450 steps of STEP_S), so the step down comes while both are in
         #    flight.
         async def drain_phase():
             async with httpx.AsyncClient(timeout=600) as c:
-                first = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 16), 600))
+                first = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 16), 450))
                 await asyncio.sleep(1.5)  # routing stats refresh: the second goes to the emptier replica
-                second = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 16), 600))
+                second = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 16), 450))
                 await asyncio.sleep(2.5)
                 running = await running_per_replica(c, f"{cluster}/kv/metrics")
                 results = [await first, await second]
                 return results, running, time.time()
 
         drained, running, drain_end = asyncio.run(drain_phase())
-        assert_whole(drained, 600)
+        assert_whole(drained, 450)
         assert running == [1, 1], f"the router should put the two streams on different replicas: {running}"
         _wait_until(lambda: _running_replicas("kv") == 1 or None, 60, "the scale-down to one replica")
         t3 = time.time()
