@@ -1,7 +1,8 @@
 """Linear layers, y = x @ W.T + b. The reference is F.linear.
 
 On CPU, up to NATIVE_MAX_ROWS rows in fp32 (decoding at small batch: a stream over the weights) go to our
-own AVX2 kernel (kernels/cpu_native.py), where it can be built; everything else as below.
+own AVX2 kernel (kernels/cpu_native.py), where it can be built; from TILED_MIN_ROWS rows fp32 goes to
+linear_tiled (the library's sgemm in tiles the threads take one at a time); everything else as below.
 
 On CPU, F.linear goes to MKL, whose small-row GEMMs are slow on this class of machine (AVX2, AMD): at the
 row counts decoding runs at (1-64) torch's oneDNN linear, `torch.ops.mkldnn._linear_pointwise` (the op
