@@ -137,6 +137,7 @@ def native() -> ctypes.CDLL | None:
     return _declare(lib)
 
 
+@functools.cache
 def _library_sgemm() -> int | None:
     """The address of the BLAS sgemm torch itself calls (MKL's, in torch's CPU wheels; Fortran interface), or None
     where this torch build exports none."""

@@ -176,8 +176,18 @@ TILED_MIN_ROWS = 64
 
 def _tile_cols(out: int) -> int:
     """Columns per tile: out cut into ceil(out / TILE_COLS) even parts, rounded up to 16."""
-    parts = -(-out // TILE_COLS)
-    return -(-(-(-out // parts)) // 16) * 16
+    cols = -(-out // -(-out // TILE_COLS))
+    return -(-cols // 16) * 16
+
+
+def _run_tiled(lib, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """kvs_linear_tiled_f32 on contiguous fp32 tensors; None when the build has no sgemm to call."""
+    rows, out = x.shape[0], weight.shape[0]
+    y = torch.empty(rows, out)
+    done = lib.kvs_linear_tiled_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                                    y.data_ptr(), rows, x.shape[1], out, TILE_ROWS, _tile_cols(out),
+                                    torch.get_num_threads())
+    return y if done else None
 
 
 @functools.cache
@@ -188,11 +198,8 @@ def _tiled_available() -> bool:
         return False
     g = torch.Generator().manual_seed(0)
     x, w, b = torch.randn(300, 72, generator=g), torch.randn(530, 72, generator=g), torch.randn(530, generator=g)
-    y = torch.empty(300, 530)
-    if not native().kvs_linear_tiled_f32(x.data_ptr(), w.data_ptr(), b.data_ptr(), y.data_ptr(), 300, 72, 530, 128,
-                                         _tile_cols(530), torch.get_num_threads()):
-        return False
-    return torch.allclose(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    y = _run_tiled(native(), x, w, b)
+    return y is not None and torch.allclose(y, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
 
 
 def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -201,20 +208,13 @@ def linear_tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     for a moment, the other core goes on with the next tiles instead of waiting at the end of a statically split
     GEMM (bench/contention.py). None where it does not apply."""
     if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.dim() != 2 or x.shape[0] < TILED_MIN_ROWS
-            or not x.is_cpu
-            or not weight.is_cpu or not weight.is_contiguous() or (bias is not None and (
-                bias.dtype != torch.float32 or not bias.is_contiguous()))):
+            or not x.is_cpu or not weight.is_cpu or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.float32 or not bias.is_contiguous()))):
         return None
     lib = native()
     if lib is None or not _tiled_available():
         return None
-    x = x.contiguous()
-    rows, out = x.shape[0], weight.shape[0]
-    y = torch.empty(rows, out)
-    lib.kvs_linear_tiled_f32(x.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-                                  y.data_ptr(), rows, x.shape[1], out, TILE_ROWS, _tile_cols(out),
-                                  torch.get_num_threads())
-    return y
+    return _run_tiled(lib, x.contiguous(), weight, bias)
 
 
 def linear_cpu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

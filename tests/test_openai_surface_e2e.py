@@ -108,9 +108,14 @@ def test_json_schema_always_validates_streaming_or_not_and_leaves_other_requests
 
     async def main():
         plain = aclient.completions.create(model=MODEL, prompt=plain_prompt, max_tokens=24, temperature=0)
-        return await asyncio.gather(plain, *(constrained(seed, seed % 2 == 0) for seed in range(24)))
+        first = await asyncio.gather(plain, *(constrained(seed, seed % 2 == 0) for seed in range(24)))
+        # then json_object requests, in one batch of their own
+        objects = await asyncio.gather(*(aclient.chat.completions.create(
+            model=MODEL, messages=_chat("Give me JSON."), temperature=1.0, seed=seed, max_tokens=300,
+            response_format={"type": "json_object"}) for seed in range(4)))
+        return first, objects
 
-    plain, *texts = asyncio.run(main())
+    (plain, *texts), objects = asyncio.run(main())
     for text in texts:
         try:
             value = json.loads(text)
@@ -122,16 +127,8 @@ def test_json_schema_always_validates_streaming_or_not_and_leaves_other_requests
     assert plain.choices[0].text == alone.choices[0].text
 
     # json_object bounds nothing, so an output may run into max_tokens; every one that ends is an object
-    async def json_objects():  # in one batch (a client of this event loop's own)
-        import openai
-
-        fresh = openai.AsyncOpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=180)
-        return await asyncio.gather(*(fresh.chat.completions.create(
-            model=MODEL, messages=_chat("Give me JSON."), temperature=1.0, seed=seed, max_tokens=300,
-            response_format={"type": "json_object"}) for seed in range(4)))
-
     stopped = 0
-    for r in asyncio.run(json_objects()):
+    for r in objects:
         text = r.choices[0].message.content
         assert text.startswith("{"), text
         if r.choices[0].finish_reason == "stop":
