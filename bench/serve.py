@@ -18,6 +18,9 @@ the given length, decoded to text with the default model's tokenizer (the same p
   - vllm: vLLM CPU's OpenAI server from .venv-peers (`bash scripts/peers_venv.sh`), bf16, every core;
   - ray-serve-llm: Ray Serve LLM around the same vLLM (`bash scripts/peers_venv.sh --ray-serve-llm`);
   - transformers: `transformers serve --continuous-batching` (needs `pip install accelerate==1.15.0`).
+For each served system it prints the CPU-seconds every process on the machine used during the replay, and for
+kvscale what that leaves possible: the served run needs the offline engine's CPU-seconds plus the other processes'
+on the same cores, which bounds served / offline before the engine loses anything to sharing them.
 Every system gets the same model (the default), dtype (what our dtype="auto" picks on this machine: bf16 where
 the CPU has AVX512-BF16, else fp32), prompts, max_tokens and ignore_eos.
 """
@@ -134,6 +137,55 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
+def cpu_by_process() -> dict[int, tuple[float, str]]:
+    """CPU-seconds (user + system) each process on this machine has used so far, with a short name for it, from
+    Linux's /proc ({} elsewhere)."""
+    if not os.path.isdir("/proc"):
+        return {}
+    hz = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace").split()
+        except OSError:  # it ended meanwhile
+            continue
+        comm, fields = stat.split("(", 1)[1].rsplit(")", 1)[0], stat.rsplit(")", 1)[1].split()
+        out[int(pid)] = ((int(fields[11]) + int(fields[12])) / hz, _process_name(cmd) or comm)
+    return out
+
+
+def _process_name(cmd: list[str]) -> str:
+    if not cmd:
+        return ""
+    if cmd[0].startswith("ray::"):  # a Ray actor: its class (and method)
+        return cmd[0][5:]
+    base = os.path.basename(cmd[0])
+    if base.startswith("python") and len(cmd) > 1:
+        script = next((a for a in cmd[1:] if not a.startswith("-")), cmd[1])
+        return os.path.basename(script)
+    return base
+
+
+def cpu_used(before: dict, after: dict) -> dict[str, float]:
+    """CPU-seconds used between two cpu_by_process() snapshots, summed by process name; this process (the load
+    generator) as "load generator"."""
+    used: dict[str, float] = {}
+    for pid, (cpu, name) in after.items():
+        delta = cpu - before.get(pid, (0.0, ""))[0]
+        if delta > 0:
+            name = "load generator" if pid == os.getpid() else name
+            used[name] = used.get(name, 0.0) + delta
+    return dict(sorted(used.items(), key=lambda kv: -kv[1]))
+
+
+ENGINE_REPLICA = "ServeReplica:kvscale:KVEngine"
+
+
 def engine_dtype() -> str:
     """What our dtype="auto" picks on this machine's CPU, the dtype every system is given: bf16 where the CPU has
     AVX512-BF16 or AMX, else fp32 (bf16 there has no fast matmul: vLLM CPU's server in bf16 ran this trace at a
@@ -239,14 +291,14 @@ def offline_engine(trace, prompts, **overrides):
 def run_offline(trace, prompts) -> dict:
     """Our engine in this process on the same requests, all submitted at once: what the served path is held to."""
     llm, params = offline_engine(trace, prompts)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
-    makespan = time.perf_counter() - start
+    makespan, cpu = time.perf_counter() - start, time.process_time() - cpu
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     del llm
     nan = float("nan")
     return {"requests": len(outs), "failed": 0, "tokens": tokens, "makespan_s": makespan, "tok_s": tokens / makespan,
-            "ttft_p50": nan, "ttft_p99": nan, "itl_p50": nan, "itl_p99": nan}
+            "ttft_p50": nan, "ttft_p99": nan, "itl_p50": nan, "itl_p99": nan, "cpu_s": {"engine": cpu}}
 
 
 def run_inprocess(trace, prompts) -> dict:
@@ -333,7 +385,9 @@ def main() -> None:
             try:
                 strict = name == "transformers"
                 asyncio.run(run_load(url, trace[:4], prompts[:4], strict))  # warm-up, not counted
+                before = cpu_by_process()
                 rows.append((name, asyncio.run(run_load(url, trace, prompts, strict))))
+                rows[-1][1]["cpu_s"] = cpu_used(before, cpu_by_process())
                 print(name, json.dumps(rows[-1][1]), flush=True)
             finally:
                 stop(proc)
@@ -345,6 +399,10 @@ def main() -> None:
     for name, r in rows:
         print(f"| {name} | {r['requests']} ({r['failed']}) | {r['tok_s']:.1f} | {r['ttft_p50']:.2f} / "
               f"{r['ttft_p99']:.2f} | {r['itl_p50']:.3f} / {r['itl_p99']:.3f} |")
+    for name, r in rows:
+        if r.get("cpu_s") and name != "kvscale-offline":
+            top = ", ".join(f"{k} {v:.1f}" for k, v in list(r["cpu_s"].items())[:8])
+            print(f"{name}: CPU-seconds by process during the replay, {sum(r['cpu_s'].values()):.1f} in all: {top}")
     by_name = dict(rows)
     ours = by_name.get("kvscale")
     if ours:
@@ -357,6 +415,16 @@ def main() -> None:
             elif name != "kvscale" and r["tok_s"] > 0:
                 print(f"kvscale / {name}: throughput x{ours['tok_s'] / r['tok_s']:.2f} (target >= 1.2), p99 TTFT "
                       f"x{ours['ttft_p99'] / r['ttft_p99']:.2f} (target <= 1), ITL p50 x{ours['itl_p50'] / r['itl_p50']:.2f}")
+    offline = by_name.get("kvscale-offline")
+    if ours and offline and ours.get("cpu_s") and ENGINE_REPLICA in ours["cpu_s"]:
+        # What the machine allows: the served run needs the offline engine's CPU-seconds plus what every other
+        # process used meanwhile, on the same cores.
+        others = sum(v for k, v in ours["cpu_s"].items() if k != ENGINE_REPLICA)
+        cores = len(os.sched_getaffinity(0))
+        floor = max(offline["makespan_s"], (offline["cpu_s"]["engine"] + others) / cores)
+        print(f"the served run's other processes used {others:.1f} CPU-s, the offline engine {offline['cpu_s']['engine']:.1f}"
+              f" (the served replica {ours['cpu_s'][ENGINE_REPLICA]:.1f}): on {cores} cores the served run could not end "
+              f"before {floor:.1f} s, so served / offline <= {offline['makespan_s'] / floor:.0%} here")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "machine": ceilings, "rows": rows}, indent=1))
 
