@@ -9,20 +9,28 @@ from pathlib import Path
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def random_model(path: Path, config, dtype: str = "float32") -> str:
+def random_model(path: Path, config, dtype: str = "float32", init_device: str = "cpu") -> str:
     """Saves (once, seed 0) and returns a random-init model of this HF config at `path`, with the default
-    model's tokenizer beside it."""
+    model's tokenizer beside it. init_device: where the random weights are drawn (a GPU draws an 8B model in
+    a second, where a CPU takes minutes)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from engine.default_model import default_model_dir
 
-    if not (path / "model.safetensors").exists():
-        torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype)).save_pretrained(path)
+    if not any((path / name).exists() for name in ("model.safetensors", "model.safetensors.index.json")):
+        # (a sharded save, as an 8B one is, writes its index last: the tokenizer goes first)
+        path.mkdir(parents=True, exist_ok=True)
         for name in TOKENIZER_FILES:
             if (Path(default_model_dir()) / name).exists():
                 shutil.copy(Path(default_model_dir()) / name, path / name)
+        torch.manual_seed(0)
+        with torch.device(init_device):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        model.save_pretrained(path)
+        del model
+        if init_device.startswith("cuda"):
+            torch.cuda.empty_cache()  # the device's memory goes back to whoever loads the checkpoint next
     return str(path)
 
 

@@ -346,23 +346,29 @@ def run_vllm(path: str, dtype: str, work: Workload, runs: int, threads: int, max
     sys.exit(f"the vllm peer failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
 
 
-def _hf_model(path: str, dtype: str):
+def _hf_model(path: str, dtype: str, device: str = "cpu"):
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(device).eval()
 
 
-def run_hf_static(path: str, dtype: str, work: Workload, runs: int, batch: int):
+def _sync(device: str) -> None:
+    """Wait for the device's queued work, so a timer stops when the tokens exist (a no-op on the CPU)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_hf_static(path: str, dtype: str, work: Workload, runs: int, batch: int, device: str = "cpu"):
     from transformers import GenerationConfig
 
-    model = _hf_model(path, dtype)
+    model = _hf_model(path, dtype, device)
     pad = 0
 
     def gen(idx: list[int]) -> None:
         seqs = [work.prompts[i] for i in idx]
         width = max(len(s) for s in seqs)
-        ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs])
-        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs])
+        ids = torch.tensor([[pad] * (width - len(s)) + s for s in seqs], device=device)
+        mask = torch.tensor([[0] * (width - len(s)) + [1] * len(s) for s in seqs], device=device)
         new = max(work.output_lens[i] for i in idx)
         cfg = GenerationConfig(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=pad,
                                eos_token_id=None)
@@ -376,17 +382,18 @@ def run_hf_static(path: str, dtype: str, work: Workload, runs: int, batch: int):
         t = time.perf_counter()
         for start in range(0, len(work.prompts), batch):
             gen(list(range(start, min(start + batch, len(work.prompts)))))
+        _sync(device)
         times.append(time.perf_counter() - t)
     del model
     gc.collect()
     return {"times": times}
 
 
-def run_hf_cb(path: str, dtype: str, work: Workload, runs: int):
+def run_hf_cb(path: str, dtype: str, work: Workload, runs: int, device: str = "cpu"):
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
-    model = _hf_model(path, dtype)  # the manager switches it to its paged attention itself
+    model = _hf_model(path, dtype, device)  # the manager switches it to its paged attention itself
     cfg = GenerationConfig(max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
     cb = ContinuousBatchingConfig(num_blocks=(sum(len(p) + o for p, o in zip(work.prompts, work.output_lens))
                                               // 256 + 2 * len(work.prompts)), max_batch_tokens=2048)
