@@ -93,10 +93,12 @@ def run_ours(path: str, dtype: str, device: str, work, runs: int) -> dict:
             "kv_blocks": llm.stats().num_total_blocks}
 
 
-def run_hf_b1(path: str, dtype: str, device: str, work) -> dict:
+def run_hf(path: str, dtype: str, device: str, work, runs: int, batch: int) -> dict:
+    """HF `generate` in static batches, then at batch 1, on one load of the model."""
     from transformers import GenerationConfig
 
     model = _hf_model(path, dtype, device)
+    static = run_hf_static(path, dtype, work, runs, batch, device, model=model)
 
     def generate(prompt: list[int], n: int) -> None:
         ids = torch.tensor([prompt], device=device)
@@ -104,7 +106,7 @@ def run_hf_b1(path: str, dtype: str, device: str, work) -> dict:
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
 
-    return {"decode_b1_s_per_token": batch1_decode(generate, work.prompts[0][:32], device)}
+    return {**static, "decode_b1_s_per_token": batch1_decode(generate, work.prompts[0][:32], device)}
 
 
 def run_one(system: str, args) -> dict:
@@ -114,8 +116,7 @@ def run_one(system: str, args) -> dict:
     if system == "ours":
         return run_ours(path, args.dtype, args.device, work, args.runs)
     if system == "hf-static":
-        return {**run_hf_static(path, args.dtype, work, args.hf_runs, args.hf_batch, args.device),
-                **run_hf_b1(path, args.dtype, args.device, work)}
+        return run_hf(path, args.dtype, args.device, work, args.hf_runs, args.hf_batch)
     if system == "hf-cb":
         return run_hf_cb(path, args.dtype, work, args.hf_runs, args.device)
     raise SystemExit(f"unknown system {system!r}; choose from ours, hf-static, hf-cb")
@@ -155,11 +156,10 @@ def main() -> None:
           f"bandwidth {bw / 1e9:.0f} GB/s; {args.requests} requests, {work.prompt_tokens} prompt tokens, "
           f"{work.output_tokens} output tokens (seed {args.seed})", flush=True)
     results: dict[str, dict] = {}
-    argv = [a for a in sys.argv[1:]]
     for system in args.systems.split(","):
         t = time.perf_counter()
         try:
-            proc = subprocess.run([sys.executable, __file__, *argv, "--only", system], capture_output=True, text=True,
+            proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--only", system], capture_output=True, text=True,
                                   timeout=args.timeout)
         except subprocess.TimeoutExpired:
             print(f"{system}: did not finish within {args.timeout:.0f} s (--timeout); not counted", flush=True)

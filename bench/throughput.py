@@ -358,10 +358,11 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_hf_static(path: str, dtype: str, work: Workload, runs: int, batch: int, device: str = "cpu"):
+def run_hf_static(path: str, dtype: str, work: Workload, runs: int, batch: int, device: str = "cpu", model=None):
+    """model: the HF model already loaded from `path` (else loaded here)."""
     from transformers import GenerationConfig
 
-    model = _hf_model(path, dtype, device)
+    model = model if model is not None else _hf_model(path, dtype, device)
     pad = 0
 
     def gen(idx: list[int]) -> None:
