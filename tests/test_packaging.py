@@ -91,17 +91,22 @@ def test_kvscale_serve_from_the_wheel_serves_the_default_model(installed, tmp_pa
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_kvscale_serve_runs_the_engine_at_normal_priority(monkeypatch, tmp_path):
-    """Ray starts actors at nice 15, where the engine replica yields the cores to every other process; `kvscale
-    serve` starts its Ray with RAY_worker_niceness=0 unless the user set it."""
+def test_kvscale_serve_leaves_the_cores_to_the_engine(monkeypatch, tmp_path):
+    """Ray starts actors at nice 15, where the engine replica yields the cores to every other process, and Serve's
+    controller reconciles every 0.1 s; `kvscale serve` starts its Ray with RAY_worker_niceness=0 and the controller
+    at 0.5 s, unless the user set them."""
     import os
 
     from serve_app import cli
 
-    monkeypatch.setenv("RAY_worker_niceness", "x")  # registered, so the test leaves the environment as it was
-    monkeypatch.delenv("RAY_worker_niceness")
+    for name in ("RAY_worker_niceness", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"):
+        monkeypatch.setenv(name, "x")  # registered, so the test leaves the environment as it was
+        monkeypatch.delenv(name)
     assert cli.serve([str(tmp_path / "missing.yaml")]) == 2  # no config: refused before Ray starts
     assert os.environ["RAY_worker_niceness"] == "0"
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"  # Serve's controller ticks less often
     monkeypatch.setenv("RAY_worker_niceness", "5")
+    monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")
     cli.serve([str(tmp_path / "missing.yaml")])
     assert os.environ["RAY_worker_niceness"] == "5"  # the user's choice stands
+    assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
