@@ -192,9 +192,10 @@ class OpenAIIngress:
                                             code="engine_unavailable", retry_after=1))
         ready = sum(1 for snap in snapshots.values() if snap.get("healthy"))
         if not ready:
-            return _error_response(APIError(503, "no engine replica is ready: the model is still loading, or every "
-                                                 "replica failed (see `serve status`)", code="engine_unavailable",
-                                            retry_after=1))
+            return _error_response(APIError(
+                503, "no engine replica is ready: the model is still loading, or every replica failed (see `serve "
+                     "status`; `RAY_AUTH_MODE=token serve status` where Ray runs with token authentication, its default "
+                     "for a local cluster)", code="engine_unavailable", retry_after=1))
         return JSONResponse({"status": "ok", "ready_replicas": ready})
 
     @fastapi_app.get("/metrics")
