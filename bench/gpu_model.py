@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench.throughput import (DTYPES, _best_time, _hf_model, _sync, make_workload, run_hf_cb,  # noqa: E402
-                              run_hf_static)
+from bench.throughput import (DTYPES, _best_time, _hf_model, _sync, batch1_decode, make_workload,  # noqa: E402
+                              run_hf_cb, run_hf_static)
 
 LLAMA3 = dict(vocab_size=128256, bos_token_id=128000, eos_token_id=128001, rope_theta=500000.0,
               tie_word_embeddings=False, max_position_embeddings=8192, rms_norm_eps=1e-5)
@@ -52,23 +52,6 @@ def checkpoint(shape: str, dtype: str, device: str, root: Path) -> str:
 
     return random_model(root / f"kvscale-{shape}-{dtype}", LlamaConfig(**SHAPES[shape]), dtype=dtype,
                         init_device=device)
-
-
-def batch1_decode(generate, prompt: list[int], device: str) -> float:
-    """Seconds per token of decode at batch 1: 128 new tokens after a 32-token prompt, the prefill (one new
-    token) timed apart and taken out; the median of three."""
-    generate(prompt, 8)  # warm-up
-    t = time.perf_counter()
-    generate(prompt, 1)
-    _sync(device)
-    prefill = time.perf_counter() - t
-    per_token = []
-    for _ in range(3):
-        t = time.perf_counter()
-        generate(prompt, 129)
-        _sync(device)
-        per_token.append((time.perf_counter() - t - prefill) / 128)
-    return statistics.median(per_token)
 
 
 def run_ours(path: str, dtype: str, device: str, work, runs: int) -> dict:

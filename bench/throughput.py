@@ -274,6 +274,23 @@ def wrap_detokenizer(timer: StepTimer) -> None:
 
 # ---------------------------------------------------------------- systems
 
+def batch1_decode(generate, prompt: list[int], device: str = "cpu") -> float:
+    """Seconds per token of decode at batch 1: `generate(prompt, n)` makes n new tokens; 128 new tokens after the
+    prompt, its prefill (one new token) timed apart and taken out; the median of three."""
+    generate(prompt, 8)  # warm-up
+    t = time.perf_counter()
+    generate(prompt, 1)
+    _sync(device)
+    prefill = time.perf_counter() - t
+    per_token = []
+    for _ in range(3):
+        t = time.perf_counter()
+        generate(prompt, 129)
+        _sync(device)
+        per_token.append((time.perf_counter() - t - prefill) / 128)
+    return statistics.median(per_token)
+
+
 def run_ours(path: str, dtype: str, work: Workload, runs: int):
     from engine import LLM, SamplingParams
 
@@ -294,17 +311,8 @@ def run_ours(path: str, dtype: str, work: Workload, runs: int):
             times.append(time.perf_counter() - t)
             got = [len(o.outputs[0].token_ids) for o in outs]
             assert got == work.output_lens, "the engine produced other lengths than asked for"
-    # decode at batch 1: one request, 32-token prompt, 128 new tokens; prefill timed apart and removed
-    one = work.prompts[0][:32]
-    llm.generate([one], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
-    t = time.perf_counter()
-    llm.generate([one], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))
-    prefill = time.perf_counter() - t
-    b1 = []
-    for _ in range(3):
-        t = time.perf_counter()
-        llm.generate([one], SamplingParams(temperature=0, max_tokens=129, ignore_eos=True))
-        b1.append((time.perf_counter() - t - prefill) / 128)
+    b1 = batch1_decode(lambda p, n: llm.generate([p], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)),
+                       work.prompts[0][:32])
     timer = StepTimer(llm)
     wrap_detokenizer(timer)
     llm.generate(work.prompts, params)
@@ -318,7 +326,7 @@ def run_ours(path: str, dtype: str, work: Workload, runs: int):
     spec = llm.engine.runner.model.spec
     del llm
     gc.collect()
-    return {"times": times, "decode_b1_s_per_token": statistics.median(b1), "breakdown": timer.report(),
+    return {"times": times, "decode_b1_s_per_token": b1, "breakdown": timer.report(),
             "mean_batch": statistics.mean(timer.batch_sizes), "steps": timer.steps, "kinds": kinds,
             "one_row_s": one_row, "one_row_lib_s": one_row_lib,
             "rss": {"before load": rss_before, "after load (weights + KV pool)": rss_loaded, "peak": peak.peak},
