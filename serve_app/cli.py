@@ -24,11 +24,6 @@ def serve(argv: list[str]) -> int:
     # (README: Performance); every 0.5 s it uses 1-1.5 CPU-seconds less a minute, which on a small machine the
     # engine gets back. The autoscaling policy reads the clock, not the tick count, so it decides the same.
     os.environ.setdefault("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.5")
-    # torch's OpenMP workers (libgomp) spin up to 300,000 times (several ms) for the next parallel region before
-    # they sleep: between regions (the engine's Python between steps) a served engine's worker burns a core the
-    # ingress, proxy and Ray's daemons need, and they then preempt the engine mid-region. 10,000 spins (a fraction
-    # of a ms) still cover the gaps inside a forward (README: Performance); offline engines are not affected.
-    os.environ.setdefault("GOMP_SPINCOUNT", "10000")
     config = argv[0] if argv and not argv[0].startswith("-") else str(DEFAULT_CONFIG)
     rest = argv[1:] if argv and not argv[0].startswith("-") else argv
     if not Path(config).exists():
