@@ -34,7 +34,7 @@ from helpers import local_serve, wait_until_serving
 pytestmark = pytest.mark.slow
 
 BLOCKS, BLOCK = 96, 16
-STEP_S = 0.06  # seconds per engine step in the scaling test: 450 decode steps outlast the 10 s quiet period
+STEP_S = 0.06  # seconds per engine step in the scaling test: 330 decode steps (20 s) outlast the 6 s quiet period
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,15 @@ def test_scale_from_zero_reports_cold_start(cluster, make_tiny_model):
     serve.delete("zero")
 
 
-def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
+def _fake_model(make_tiny_model) -> dict:
+    """The steps are fake (a sleep of known cost), so the weights only have to load: a tiny random-init model with
+    the default model's tokenizer, under its served name, starts a replica in a few seconds less on 2 busy cores
+    than the 135M one, and each phase below waits for a replica to start."""
+    return {"model": make_tiny_model("llama", max_position_embeddings=1024), "dtype": "float32",
+            "served_model_name": "SmolLM2-135M-Instruct"}
+
+
+def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster, make_tiny_model):
     from ray import serve
     from ray.serve.config import AutoscalingConfig
 
@@ -177,10 +185,10 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
     target_ongoing = AutoscalingConfig().get_target_ongoing_requests()  # Ray's default policy
     concurrency = 2
     assert math.ceil(concurrency / target_ongoing) == 1, "the request-count policy would stay at one replica"
-    serve.run(build_app({"model": "default", "num_kv_blocks": BLOCKS, "block_size": BLOCK, "max_model_len": 1024,
+    serve.run(build_app({**_fake_model(make_tiny_model), "num_kv_blocks": BLOCKS, "block_size": BLOCK, "max_model_len": 1024,
                          "torch_threads": 1, "max_num_seqs": 8, "num_replicas": None, "min_replicas": 1,
-                         "max_replicas": 2, "kv_target_utilization": 0.9, "downscale_quiet_s": 10,
-                         "downscale_window_s": 10,
+                         "max_replicas": 2, "kv_target_utilization": 0.9, "downscale_quiet_s": 6,
+                         "downscale_window_s": 6,
                          # Every engine step costs STEP_S (the real scheduler, block manager and KV accounting
                          # run; the model's forward is a sleep). The phases below are timed against the
                          # autoscaler's quiet period, so their length must not follow this CPU's decode
@@ -214,9 +222,9 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
         return [r for rs in results for r in rs]
 
     try:
-        # 1. Short requests, two at a time, for ~10 s: a few blocks each.
+        # 1. Short requests, two at a time, for ~6 s: a few blocks each.
         t0 = time.time()
-        short = asyncio.run(phase([([random_prompt(rng, 24) for _ in range(1000)], 16, t0 + 10)
+        short = asyncio.run(phase([([random_prompt(rng, 24) for _ in range(1000)], 16, t0 + 6)
                                    for _ in range(concurrency)]))
         time.sleep(4)  # what the autoscaler saw last has had time to act
         t1 = time.time()
@@ -237,21 +245,21 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
         assert peak <= concurrency
         assert max(watch.between(t1, t2)) == 2, "long prompts at the same request count must scale up"
 
-        # 3. Two long, low-KV streams (16 + 450 tokens = 30 blocks each: both fit one replica under target),
-        #    each outlasting the quiet period (450 steps of STEP_S), so the step down comes while both are in
+        # 3. Two long, low-KV streams (16 + 330 tokens = 22 blocks each: both fit one replica under target),
+        #    each outlasting the quiet period (330 steps of STEP_S), so the step down comes while both are in
         #    flight.
         async def drain_phase():
             async with httpx.AsyncClient(timeout=600) as c:
-                first = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 16), 450))
+                first = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 16), 330))
                 await asyncio.sleep(1.5)  # routing stats refresh: the second goes to the emptier replica
-                second = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 16), 450))
+                second = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 16), 330))
                 await asyncio.sleep(2.5)
                 running = await running_per_replica(c, f"{cluster}/kv/metrics")
                 results = [await first, await second]
                 return results, running, time.time()
 
         drained, running, drain_end = asyncio.run(drain_phase())
-        assert_whole(drained, 450)
+        assert_whole(drained, 330)
         assert running == [1, 1], f"the router should put the two streams on different replicas: {running}"
         _wait_until(lambda: _running_replicas("kv") == 1 or None, 60, "the scale-down to one replica")
         t3 = time.time()
@@ -275,7 +283,7 @@ def test_scales_on_kv_not_request_count_and_drains_on_the_way_down(cluster):
         serve.delete("kv")
 
 
-def test_scales_on_compute_when_itl_breaks_the_slo_with_kv_free(cluster):
+def test_scales_on_compute_when_itl_breaks_the_slo_with_kv_free(cluster, make_tiny_model):
     """16 short streams at a time: each step costs 20 ms + 4 ms per token, so one replica's steps take ~90 ms
     against a 60 ms ITL SLO while 16 x 3 of its 512 KV blocks are used. The policy (the replicas' learned step
     times, and the ITL they observe) adds the second replica; after the load drops to two long streams it
@@ -284,9 +292,9 @@ def test_scales_on_compute_when_itl_breaks_the_slo_with_kv_free(cluster):
 
     from serve_app import build_app
 
-    serve.run(build_app({"model": "default", "num_kv_blocks": 512, "block_size": BLOCK, "max_model_len": 1024,
+    serve.run(build_app({**_fake_model(make_tiny_model), "num_kv_blocks": 512, "block_size": BLOCK, "max_model_len": 1024,
                          "torch_threads": 1, "max_num_seqs": 32, "num_replicas": None, "min_replicas": 1,
-                         "max_replicas": 2, "downscale_quiet_s": 10, "downscale_window_s": 10,
+                         "max_replicas": 2, "downscale_quiet_s": 6, "downscale_window_s": 6,
                          "itl_slo_s": 0.06, "ttft_slo_s": 5.0, "fake_step_s": 0.02, "fake_step_s_per_token": 0.004,
                          "graceful_shutdown_timeout_s": 400}),
               name="cb", route_prefix="/cb", blocking=False)
@@ -306,7 +314,7 @@ def test_scales_on_compute_when_itl_breaks_the_slo_with_kv_free(cluster):
         t0 = time.time()
         short = []
         while time.time() - t0 < 180:  # until the second replica serves (it loads a model on 2 busy cores)
-            short += asyncio.run(busy(time.time() + 15))
+            short += asyncio.run(busy(time.time() + 10))
             if max(watch.between(t0, time.time()), default=1) == 2:
                 break
         t1 = time.time()
@@ -322,13 +330,13 @@ def test_scales_on_compute_when_itl_breaks_the_slo_with_kv_free(cluster):
 
         async def drop() -> list[dict]:  # two long streams, one per replica, outlasting the quiet period
             async with httpx.AsyncClient(timeout=600) as c:
-                first = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 8), 700))
+                first = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 8), 500))
                 await asyncio.sleep(1.5)
-                second = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 8), 700))
+                second = asyncio.create_task(stream_completion(c, url, random_prompt(rng, 8), 500))
                 return [await first, await second]
 
         drained = asyncio.run(drop())
-        assert_whole(drained, 700)
+        assert_whole(drained, 500)
         _wait_until(lambda: _running_replicas("cb") == 1 or None, 90, "the scale-down to one replica")
         t2 = time.time()
         down_at = next((t for t, n in watch.samples if t > t1 and n == 1), t2)
