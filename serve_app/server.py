@@ -9,6 +9,7 @@ serve_app.rl's PolicyFollower drives (update_weights, pause, resume, sleep, wake
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
@@ -16,7 +17,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from engine.async_llm import AsyncLLM, EnginePaused
@@ -48,7 +49,8 @@ class EngineServer:
             import torch
 
             torch.set_num_threads(threads)
-        self.llm = AsyncLLM(self.config.to_engine_config())
+        with _ordinary_scheduling():  # the engine thread and its OpenMP workers, which it starts
+            self.llm = AsyncLLM(self.config.to_engine_config())
         self.tokenizer = self.llm.get_tokenizer()
         self._template_knows_tools = "tools" in str(getattr(self.tokenizer, "chat_template", "") or "")
         self.replica_id, self.app_name = replica_identity()
@@ -262,6 +264,29 @@ def _check_priority() -> None:
         logger.warning(f"kvscale: this engine replica runs at nice {nice} (Ray's worker_niceness), so it yields the "
                        "CPU to every other process on the machine; start Ray with RAY_worker_niceness=0 in its "
                        "environment for full speed (`kvscale serve` and scripts/serve.sh do)")
+
+
+@contextlib.contextmanager
+def _ordinary_scheduling() -> Iterator[None]:
+    """Threads started inside run under Linux's ordinary policy where this thread runs under SCHED_BATCH.
+
+    `kvscale serve` starts Ray under SCHED_BATCH (serve_app/cli.py), so Ray's daemons, the proxy, the ingress and
+    the replicas' own gRPC and event-loop threads do not preempt a running thread when they wake, and wait for the
+    scheduler's tick instead. The engine's compute threads are the exception: the engine thread and torch's
+    OpenMP workers, which it starts and which inherit its policy. Elsewhere (no SCHED_BATCH, not Linux) this does
+    nothing."""
+    batch = getattr(os, "SCHED_BATCH", None)
+    try:
+        switch = batch is not None and os.sched_getscheduler(0) == batch
+        if switch:
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+    except OSError:
+        switch = False
+    try:
+        yield
+    finally:
+        if switch:
+            os.sched_setscheduler(0, batch, os.sched_param(0))
 
 
 def _choice(c: CompletionOutput, top_k: int | None) -> ChoiceDelta:

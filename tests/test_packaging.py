@@ -86,6 +86,15 @@ def test_kvscale_serve_from_the_wheel_serves_the_default_model(installed, tmp_pa
         (replica,) = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).startswith(
             "ray::ServeReplica:kvscale:KVEngine")]
         assert os.getpriority(os.PRIO_PROCESS, int(replica)) == 0
+        # under SCHED_BATCH, as Ray and everything it started, but for the engine's compute threads
+        policies = []
+        for tid in os.listdir(f"/proc/{replica}/task"):
+            try:
+                policies.append((int(tid), os.sched_getscheduler(int(tid))))
+            except ProcessLookupError:  # a thread that ended meanwhile
+                pass
+        assert dict(policies)[int(replica)] == os.SCHED_BATCH, policies
+        assert 1 <= sum(p == os.SCHED_OTHER for _, p in policies) <= 4, policies  # engine thread, OpenMP workers
     finally:
         import signal
 
@@ -122,3 +131,15 @@ def test_kvscale_serve_leaves_the_cores_to_the_engine(monkeypatch, tmp_path):
     cli.serve([str(tmp_path / "missing.yaml")])
     assert os.environ["RAY_worker_niceness"] == "5"  # the user's choice stands
     assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.1"
+
+
+def test_kvscale_serve_starts_ray_under_sched_batch_unless_told_not_to():
+    """What the processes Ray starts inherit: SCHED_BATCH, or Linux's ordinary policy with KVSCALE_SCHED_BATCH=0."""
+    code = "import os; from serve_app.cli import _batch_scheduling; _batch_scheduling(); print(os.sched_getscheduler(0))"
+    for value, want in ((None, os.SCHED_BATCH), ("1", os.SCHED_BATCH), ("0", os.SCHED_OTHER)):
+        env = {k: v for k, v in os.environ.items() if k != "KVSCALE_SCHED_BATCH"}
+        if value is not None:
+            env["KVSCALE_SCHED_BATCH"] = value
+        out = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True,
+                             check=True).stdout
+        assert int(out) == want, (value, out)
