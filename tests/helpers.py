@@ -25,7 +25,7 @@ def wait_until_serving(urls: list[str], timeout: float, what: str) -> None:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.25)
     pytest.fail(f"{what} did not come up within {timeout:.0f} s")
 
 

@@ -108,7 +108,7 @@ def test_json_schema_always_validates_streaming_or_not_and_leaves_other_requests
 
     async def main():
         plain = aclient.completions.create(model=MODEL, prompt=plain_prompt, max_tokens=24, temperature=0)
-        first = await asyncio.gather(plain, *(constrained(seed, seed % 2 == 0) for seed in range(24)))
+        first = await asyncio.gather(plain, *(constrained(seed, seed % 2 == 0) for seed in range(16)))
         # then json_object requests, in one batch of their own
         objects = await asyncio.gather(*(aclient.chat.completions.create(
             model=MODEL, messages=_chat("Give me JSON."), temperature=1.0, seed=seed, max_tokens=300,
@@ -122,7 +122,7 @@ def test_json_schema_always_validates_streaming_or_not_and_leaves_other_requests
         except json.JSONDecodeError as e:
             raise AssertionError(f"not JSON ({e}): {text!r}") from None
         jsonschema.validate(value, PERSON)
-    assert len(set(texts)) > 12, "temperature 1.0 over 24 seeds should give varied objects"
+    assert len(set(texts)) > 8, "temperature 1.0 over 16 seeds should give varied objects"
     # an unconstrained request batched with them decodes exactly as it does alone
     assert plain.choices[0].text == alone.choices[0].text
 

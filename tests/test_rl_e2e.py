@@ -126,7 +126,7 @@ def test_pushed_weights_reach_every_replica_and_one_restarted_after_a_crash(serv
         now = _replica_versions()
         if len(now) == 2 and set(now) != set(before):
             break
-        time.sleep(1)
+        time.sleep(0.25)
     assert len(now) == 2 and set(now) != set(before), now
     assert list(now.values()) == [1, 1]
     for _ in range(4):
@@ -141,13 +141,13 @@ def test_pushed_weights_reach_every_replica_and_one_restarted_after_a_crash(serv
     serve.run(build_app(_app_config(policies, 3)), name=APP, route_prefix="/", blocking=False)
     deadline = time.time() + 240
     while time.time() < deadline and len(now := _replica_versions()) != 3:
-        time.sleep(1)
+        time.sleep(0.25)
     assert len(now) == 3 and set(now) - set(before), now
     assert list(now.values()) == [1, 1, 1]
     serve.run(build_app(_app_config(policies, 2)), name=APP, route_prefix="/", blocking=False)
     deadline = time.time() + 240
     while time.time() < deadline and len(now := _replica_versions()) != 2:
-        time.sleep(1)
+        time.sleep(0.25)
     assert list(now.values()) == [1, 1]
     wait_until_serving([f"{server}/health"], 120, "the app")
 
