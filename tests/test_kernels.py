@@ -145,10 +145,11 @@ def test_prefill_and_extend_attention(heads, kv_heads, dtype):
 
 
 @pytest.mark.parametrize("window", [None, 7, 40])
-@pytest.mark.parametrize("heads,kv_heads", [(8, 2), (8, 1)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 1), (8, 1)])
 def test_long_chunks_span_several_query_and_key_tiles(heads, kv_heads, window):
     """Prefill tiles hold up to 64 // G tokens of one sequence and step through keys 64 at a time: chunks of
-    70 and 33 tokens after cached prefixes, a whole prompt of 65 and a decode, with and without a window."""
+    70 and 33 tokens after cached prefixes, a whole prompt of 65 and a decode, with and without a window. Groups
+    of 4 and 8 query heads on one KV head (several KV heads are covered above)."""
     query_lens, seq_lens = [70, 33, 65, 1], [100, 33, 65, 90]
     q, kc, vc, meta = make_batch(query_lens, seq_lens, 16, 64, heads, kv_heads, 64, torch.float32)
     want = paged_attention_ref(q, kc, vc, meta, 0.125, sliding_window=window)
