@@ -27,7 +27,7 @@ APP = "rel"
 REPLICAS = 2
 MAX_MODEL_LEN = 256
 BODY_LIMIT = 64 * 1024
-LOAD_CLIENTS, LOAD_SECONDS = 200, 25
+LOAD_CLIENTS, LOAD_SECONDS = 200, 15  # 750 of 784 requests ran in 25 s here; 15 s still carries hundreds
 STREAMS = 16  # in the kill test: about 8 a replica, 16 blocks each, within one replica's 160
 
 
