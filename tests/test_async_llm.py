@@ -48,7 +48,7 @@ def test_stats_read_from_other_threads_while_the_engine_runs_thousands_of_steps(
         return n
 
     async def main():
-        return await asyncio.gather(*(one(i) for i in range(100)))
+        return await asyncio.gather(*(one(i) for i in range(70)))
 
     readers = [threading.Thread(target=reader) for _ in range(2)]
     for t in readers:
@@ -62,8 +62,8 @@ def test_stats_read_from_other_threads_while_the_engine_runs_thousands_of_steps(
         final = llm.stats()
         llm.shutdown()
     assert not errors, errors[0]
-    assert counts == [120 + i % 7 for i in range(100)]
-    assert final.num_steps_total >= 3000, final.num_steps_total  # thousands of steps, read all along
+    assert counts == [120 + i % 7 for i in range(70)]
+    assert final.num_steps_total >= 2000, final.num_steps_total  # thousands of steps, read all along
     assert snapshots[0] > 1000
     assert final.num_free_blocks == final.num_total_blocks and final.num_running == final.num_waiting == 0
 
