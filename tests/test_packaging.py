@@ -114,18 +114,21 @@ def _cmdline(pid: str) -> str:
 
 def test_kvscale_serve_leaves_the_cores_to_the_engine(monkeypatch, tmp_path):
     """Ray starts actors at nice 15, where the engine replica yields the cores to every other process, and Serve's
-    controller reconciles every 0.1 s; `kvscale serve` starts its Ray with RAY_worker_niceness=0 and the controller
-    at 0.5 s, unless the user set them."""
+    controller reconciles every 0.1 s; `kvscale serve` starts its Ray with RAY_worker_niceness=0, the controller
+    at 0.5 s and the log monitor looking for new files every 2 s, unless the user set them."""
     import os
 
     from serve_app import cli
 
-    for name in ("RAY_worker_niceness", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S"):
+    for name in ("RAY_worker_niceness", "RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD",
+                 "LOG_NAME_UPDATE_INTERVAL_S"):
         monkeypatch.setenv(name, "x")  # registered, so the test leaves the environment as it was
         monkeypatch.delenv(name)
     assert cli.serve([str(tmp_path / "missing.yaml")]) == 2  # no config: refused before Ray starts
     assert os.environ["RAY_worker_niceness"] == "0"
     assert os.environ["RAY_SERVE_CONTROL_LOOP_INTERVAL_S"] == "0.5"  # Serve's controller ticks less often
+    # Ray's log monitor looks for new log files every 2 s rather than every 0.1 s
+    assert (os.environ["RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"], os.environ["LOG_NAME_UPDATE_INTERVAL_S"]) == ("0", "2")
     monkeypatch.setenv("RAY_worker_niceness", "5")
     monkeypatch.setenv("RAY_SERVE_CONTROL_LOOP_INTERVAL_S", "0.1")
     cli.serve([str(tmp_path / "missing.yaml")])
