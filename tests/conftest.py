@@ -16,6 +16,24 @@ if os.environ.get("KVSCALE_KERNEL_DEVICE") != "cuda":
     # tests/test_kernels.py's kernels compiled, on the GPU.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# End-to-end modules that run their apps on one local cluster, one after another (tests/helpers.py:local_serve
+# with share=True). They run after every other module, in their usual order, so the cluster they share never
+# sits idle beside other tests.
+SHARES_CLUSTER = ("test_openai_surface_e2e.py", "test_reliability_e2e.py", "test_rl_e2e.py", "test_serve_e2e.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.path.name in SHARES_CLUSTER)  # stable: the order within each group stays
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_the_shared_cluster():
+    yield
+    import helpers
+
+    helpers.stop_shared()
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 

@@ -29,17 +29,46 @@ def wait_until_serving(urls: list[str], timeout: float, what: str) -> None:
     pytest.fail(f"{what} did not come up within {timeout:.0f} s")
 
 
+# The local cluster the end-to-end modules marked `shares_cluster` use one after another (conftest.py runs them
+# last, back to back): starting Ray and Serve and shutting them down costs 10-15 s on 2 cores a module.
+_shared: dict = {}
+
+
 @contextlib.contextmanager
-def local_serve(num_cpus: int) -> Iterator[str]:
-    """A local Ray cluster with Serve's HTTP proxy on a free port; yields its base URL, shuts both down after."""
+def local_serve(num_cpus: int, share: bool = False) -> Iterator[str]:
+    """A local Ray cluster with Serve's HTTP proxy on a free port; yields its base URL.
+
+    share=False: started here and shut down after. share=True: the cluster the previous sharing module left, if
+    it has as many CPUs, else a new one; on the way out every application is deleted (so the next module finds
+    Serve as a fresh one) and the cluster stays up until stop_shared()."""
     import ray
     from ray import serve
 
-    ray.init(num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    if _shared and (not share or _shared["num_cpus"] != num_cpus):
+        stop_shared()
+    if not _shared:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        _shared.update(num_cpus=num_cpus, base=f"http://127.0.0.1:{port}")
+    base = _shared["base"]
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield base
     finally:
+        if share:
+            for name in list(serve.status().applications):
+                serve.delete(name)  # waits until its replicas are gone
+        else:
+            stop_shared()
+
+
+def stop_shared() -> None:
+    """Shut down the cluster local_serve left running, if any (conftest.py calls it at the end of the session,
+    and local_serve before starting another)."""
+    import ray
+    from ray import serve
+
+    if _shared:
+        _shared.clear()
         serve.shutdown()
         ray.shutdown()

@@ -48,7 +48,7 @@ PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
 @pytest.fixture(scope="module")
 def cluster():
-    with local_serve(num_cpus=8) as base:
+    with local_serve(num_cpus=8, share=True) as base:
         yield base
 
 

@@ -37,7 +37,7 @@ def server(make_tiny_model):
 
     from serve_app import build_app
 
-    with local_serve(num_cpus=8) as base:
+    with local_serve(num_cpus=8, share=True) as base:
         serve.run(build_app({"model": make_tiny_model("llama"), "served_model_name": MODEL, "dtype": "float32",
                              "num_kv_blocks": 160, "max_model_len": MAX_MODEL_LEN, "max_num_seqs": 48,
                              "max_num_batched_tokens": 96, "api_key": KEY, "max_request_body_bytes": BODY_LIMIT,

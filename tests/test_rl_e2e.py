@@ -42,7 +42,7 @@ def server(policies):
 
     from serve_app import build_app, rl
 
-    with local_serve(num_cpus=8) as base:
+    with local_serve(num_cpus=8, share=True) as base:
         serve.run(build_app(_app_config(policies, 2)), name=APP, route_prefix="/", blocking=False)
         wait_until_serving([f"{base}/health"], 300, "the app")
         yield base

@@ -23,7 +23,7 @@ def server(make_tiny_model):
 
     from serve_app import build_app
 
-    with local_serve(num_cpus=8) as base:
+    with local_serve(num_cpus=8, share=True) as base:
         serve.run(build_app({"model": "default", "num_kv_blocks": 256, "max_model_len": 1024, "torch_threads": 1,
                              "engine_num_cpus": 1}), name="main", route_prefix="/", blocking=False)
         tiny = make_tiny_model("llama")
