@@ -149,13 +149,17 @@ def test_prefill_and_extend_attention(heads, kv_heads, dtype):
 def test_long_chunks_span_several_query_and_key_tiles(heads, kv_heads, window):
     """Prefill tiles hold up to 64 // G tokens of one sequence and step through keys 64 at a time: chunks of
     70 and 33 tokens after cached prefixes, a whole prompt of 65 and a decode, with and without a window. Groups
-    of 4 and 8 query heads on one KV head (several KV heads are covered above)."""
+    of 4 and 8 query heads on one KV head (several KV heads are covered above). Split over the keys too (a
+    split whose keys a tile cannot see leaves an empty partial) with groups of 4: the merge runs a program per
+    token and head, about 6 ms each in Triton's interpreter, and G=8's tiles differ from G=4's only in BLOCK_M,
+    which the unsplit call covers."""
     query_lens, seq_lens = [70, 33, 65, 1], [100, 33, 65, 90]
     q, kc, vc, meta = make_batch(query_lens, seq_lens, 16, 64, heads, kv_heads, 64, torch.float32)
     want = paged_attention_ref(q, kc, vc, meta, 0.125, sliding_window=window)
     check(triton_ops.paged_attention_triton(q, kc, vc, meta, 0.125, sliding_window=window), want, torch.float32)
-    check(triton_ops.paged_attention_triton(q, kc, vc, meta, 0.125, sliding_window=window, num_splits=2), want,
-          torch.float32)
+    if heads // kv_heads == 4:
+        check(triton_ops.paged_attention_triton(q, kc, vc, meta, 0.125, sliding_window=window, num_splits=2), want,
+              torch.float32)
 
 
 @pytest.mark.parametrize("window", [1, 5, 16])
