@@ -29,8 +29,8 @@ def wait_until_serving(urls: list[str], timeout: float, what: str) -> None:
     pytest.fail(f"{what} did not come up within {timeout:.0f} s")
 
 
-# The local cluster the end-to-end modules marked `shares_cluster` use one after another (conftest.py runs them
-# last, back to back): starting Ray and Serve and shutting them down costs 10-15 s on 2 cores a module.
+# The local cluster that the end-to-end modules named in conftest.SHARES_CLUSTER use one after another (conftest.py
+# runs them last, back to back): starting Ray and Serve and shutting them down costs 10-15 s a module on 2 cores.
 _shared: dict = {}
 
 
