@@ -820,6 +820,123 @@ int kvs_prefill_attention_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
 #endif
 }
 
+/* fp32 prompts and chunks: the same flash attention in AVX2 + FMA (every x86-64 build here). A task is up to 8
+ * query rows of one head; it walks its keys 32 at a time: scores 8 keys a vector (K packed per KV head as
+ * [group of 8 keys][head_dim][8]), an online softmax in fp32, P.V by FMAs 8 dims a vector. Tasks are handed out
+ * dynamically, so a thread whose core is taken for a moment leaves its share to the other (torch's SDPA splits
+ * its loop statically). */
+#define KVS_PF32_ROWS 8
+#define KVS_PF32_KEYS 32
+static void prefill_task_f32(const float *q, long q_stride, const float *kp, const float *v, long v_tok,
+                             float *out, long out_stride, long rows, long pos0, long window, long head_dim,
+                             float scale) {
+    float o[KVS_PF32_ROWS][256], m[KVS_PF32_ROWS], l[KVS_PF32_ROWS], p[KVS_PF32_ROWS][KVS_PF32_KEYS];
+    float s[KVS_PF32_ROWS][KVS_PF32_KEYS];
+    const float *qr[KVS_PF32_ROWS];
+    long last = pos0 + rows - 1;
+    for (long r = 0; r < KVS_PF32_ROWS; r++) {
+        qr[r] = q + (r < rows ? r : rows - 1) * q_stride;  /* rows past the task's repeat its last (unused) */
+        m[r] = -INFINITY;
+        l[r] = 0.0f;
+        for (long d = 0; d < head_dim; d++) o[r][d] = 0.0f;
+    }
+    long first = window > 0 && pos0 + 1 > window ? pos0 + 1 - window : 0;  /* the first row's first key */
+    for (long j0 = first / KVS_PF32_KEYS * KVS_PF32_KEYS; j0 <= last; j0 += KVS_PF32_KEYS) {
+        long nk = last + 1 - j0 < KVS_PF32_KEYS ? last + 1 - j0 : KVS_PF32_KEYS;  /* keys any row sees */
+        for (long t0 = 0; t0 < nk; t0 += 8) {
+            const float *kb = kp + (j0 + t0) / 8 * 8 * head_dim;
+            __m256 acc[KVS_PF32_ROWS];
+            for (long r = 0; r < KVS_PF32_ROWS; r++) acc[r] = _mm256_setzero_ps();
+            for (long d = 0; d < head_dim; d++) {
+                __m256 kk = _mm256_loadu_ps(kb + d * 8);
+                for (long r = 0; r < KVS_PF32_ROWS; r++)
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(qr[r][d]), kk, acc[r]);
+            }
+            for (long r = 0; r < KVS_PF32_ROWS; r++)
+                _mm256_storeu_ps(s[r] + t0, _mm256_mul_ps(acc[r], _mm256_set1_ps(scale)));
+        }
+        for (long r = 0; r < rows; r++) {
+            /* row r sees keys j0 + t for from <= t < see: up to its own position, and the window-1 before it */
+            long see = pos0 + r + 1 - j0, from = window > 0 ? see - window : 0;
+            long lo = from > 0 ? from : 0, hi = see < nk ? see : nk;
+            if (lo >= hi) {  /* nothing in this block for this row */
+                for (long t = 0; t < KVS_PF32_KEYS; t++) p[r][t] = 0.0f;
+                continue;
+            }
+            float mx = -INFINITY;
+            for (long t = lo; t < hi; t++) mx = s[r][t] > mx ? s[r][t] : mx;
+            float mn = mx > m[r] ? mx : m[r];
+            float corr = m[r] == -INFINITY ? 0.0f : expf(m[r] - mn);
+            __m256 sum = _mm256_setzero_ps(), idx0 = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+            for (long t0 = 0; t0 < KVS_PF32_KEYS; t0 += 8) {
+                __m256 idx = _mm256_add_ps(idx0, _mm256_set1_ps((float)t0));
+                __m256 in = _mm256_and_ps(_mm256_cmp_ps(idx, _mm256_set1_ps((float)lo), _CMP_GE_OQ),
+                                          _mm256_cmp_ps(idx, _mm256_set1_ps((float)hi), _CMP_LT_OQ));
+                __m256 e = _mm256_and_ps(in, exp256(_mm256_sub_ps(_mm256_loadu_ps(s[r] + t0), _mm256_set1_ps(mn))));
+                _mm256_storeu_ps(p[r] + t0, e);
+                sum = _mm256_add_ps(sum, e);
+            }
+            float lanes[8];
+            _mm256_storeu_ps(lanes, sum);
+            l[r] = l[r] * corr + (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
+            m[r] = mn;
+            if (corr != 1.0f)
+                for (long d = 0; d < head_dim; d += 8)
+                    _mm256_storeu_ps(o[r] + d, _mm256_mul_ps(_mm256_loadu_ps(o[r] + d), _mm256_set1_ps(corr)));
+        }
+        for (long d0 = 0; d0 < head_dim; d0 += 8) {  /* P.V, 8 dims of every row at a time */
+            __m256 c[KVS_PF32_ROWS];
+            for (long r = 0; r < rows; r++) c[r] = _mm256_loadu_ps(o[r] + d0);
+            for (long t = 0; t < nk; t++) {
+                __m256 vv = _mm256_loadu_ps(v + (j0 + t) * v_tok + d0);
+                for (long r = 0; r < rows; r++) c[r] = _mm256_fmadd_ps(_mm256_set1_ps(p[r][t]), vv, c[r]);
+            }
+            for (long r = 0; r < rows; r++) _mm256_storeu_ps(o[r] + d0, c[r]);
+        }
+    }
+    for (long r = 0; r < rows; r++) {
+        float inv = 1.0f / l[r];
+        for (long d = 0; d < head_dim; d++) out[r * out_stride + d] = o[r][d] * inv;
+    }
+}
+
+/* returns 0 when it cannot take the call (head_dim not a multiple of 8 or over 256): callers use SDPA. Layouts as
+ * kvs_prefill_attention_bf16's. */
+int kvs_prefill_attention_f32(const float *q, const float *k, const float *v, float *out, long q_len, long ctx,
+                              long num_heads, long num_kv_heads, long head_dim, long q_tok, long k_tok, long k_head,
+                              long v_tok, long v_head, long window, float scale, int threads) {
+    if (head_dim % 8 != 0 || head_dim > 256 || q_len > ctx || q_len < 1) return 0;
+    long blocks = (ctx + KVS_PF32_KEYS - 1) / KVS_PF32_KEYS, group = num_heads / num_kv_heads;
+    long per_head = blocks * KVS_PF32_KEYS * head_dim;
+    /* with a window, blocks before the first row's first key are never read: not packed */
+    long b0 = window > 0 && ctx - q_len + 1 > window ? (ctx - q_len + 1 - window) / KVS_PF32_KEYS : 0;
+    long groups8 = (blocks - b0) * (KVS_PF32_KEYS / 8);
+    float *kp = malloc(sizeof(float) * (size_t)(num_kv_heads * per_head));
+    if (kp == NULL) return 0;
+    #pragma omp parallel for schedule(dynamic, 4) num_threads(threads)
+    for (long gg = 0; gg < num_kv_heads * groups8; gg++) {  /* pack K: [head][group of 8 keys][dim][8] */
+        long g = gg / groups8, j8 = b0 * KVS_PF32_KEYS + (gg % groups8) * 8;
+        float *dst = kp + g * per_head + j8 * head_dim;
+        for (long t = 0; t < 8; t++) {
+            long j = j8 + t;
+            const float *src = k + j * k_tok + g * k_head;
+            for (long d = 0; d < head_dim; d++) dst[d * 8 + t] = j < ctx ? src[d] : 0.0f;
+        }
+    }
+    long row_blocks = (q_len + KVS_PF32_ROWS - 1) / KVS_PF32_ROWS, tasks = num_heads * row_blocks;
+    /* the last row blocks see the most keys: hand them out first */
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (long task = 0; task < tasks; task++) {
+        long rb = row_blocks - 1 - task / num_heads, h = task % num_heads, g = h / group;
+        long i0 = rb * KVS_PF32_ROWS, rows = q_len - i0 < KVS_PF32_ROWS ? q_len - i0 : KVS_PF32_ROWS;
+        prefill_task_f32(q + i0 * q_tok + h * head_dim, q_tok, kp + g * per_head, v + g * v_head, v_tok,
+                         out + (i0 * num_heads + h) * head_dim, num_heads * head_dim, rows, ctx - q_len + i0,
+                         window, head_dim, scale);
+    }
+    free(kp);
+    return 1;
+}
+
 /* KV write: row t of key/value (row_bytes contiguous bytes, rows stride_k / stride_v bytes apart) into cache slot
  * slots[t]; slot -1 (padding) stores nothing. Any dtype: it only copies. */
 void kvs_write_kv(const char *key, const char *value, char *k_cache, char *v_cache, const long *slots,

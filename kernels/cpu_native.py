@@ -171,6 +171,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         "kvs_write_kv": [P] * 5 + [L] * 4,
         "kvs_silu_mul": [P] * 2 + [L] * 3 + [I, I],
         "kvs_prefill_attention_bf16": [P] * 4 + [L] * 11 + [ctypes.c_float, I],
+        "kvs_prefill_attention_f32": [P] * 4 + [L] * 11 + [ctypes.c_float, I],
         "kvs_linear_tiled_f32": [P] * 4 + [L] * 5 + [I],
         "kvs_set_sgemm": [P],
     }
@@ -179,6 +180,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         getattr(lib, name).restype = None
     lib.kvs_has_avx512bf16.restype = I
     lib.kvs_prefill_attention_bf16.restype = I
+    lib.kvs_prefill_attention_f32.restype = I
     lib.kvs_linear_tiled_f32.restype = I
     lib.kvs_set_sgemm(_library_sgemm())
     return lib

@@ -6,6 +6,7 @@ engine's CPU path uses it and the Triton kernels are checked against it.
 """
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -220,9 +221,10 @@ def paged_attention_sdpa(
     K/V). Decode rows go in groups of similar context length, so little time is spent on padding; each
     group's blocks are gathered with one index_select. In fp32 and bf16, where our C kernels build
     (kernels/cpu_native.py), decode rows instead go to a paged decode kernel that reads K/V in place, fp8
-    pages too (through a 256-entry table, the scales folded into the softmax scale and the output). bf16 prompts
-    and chunks, sliding windows too, go to our C flash attention where the CPU has AVX512-BF16 (about 3x
-    torch's SDPA at 512 tokens on 2 cores: bench/kernels.py). With an fp8 cache, this step's own tokens are attended
+    pages too (through a 256-entry table, the scales folded into the softmax scale and the output). Prompts and
+    chunks, sliding windows too, go to our C flash attention: bf16 where the CPU has AVX512-BF16 (about 3x torch's
+    SDPA at 512 tokens on 2 cores: bench/kernels.py), fp32 on any AVX2 CPU; its tasks are handed out dynamically,
+    where SDPA splits its loop statically and a core taken for a moment stalls the other. With an fp8 cache, this step's own tokens are attended
     through `key`/`value` as written, as in the reference. Checked against paged_attention_ref in tests."""
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -254,9 +256,12 @@ def paged_attention_sdpa(
                      and (key is None or not fp8 or (key.dtype == q.dtype and value.dtype == q.dtype
                                                      and key.stride()[1:] == (head_dim, 1)
                                                      and value.stride()[1:] == (head_dim, 1))))
-    # bf16 prompts and chunks through our C flash attention, which answers 0 where it cannot take them (no
-    # AVX512-BF16, head_dim): SDPA then
-    native_prefill = lib is not None and bf == 1 and q.stride()[1:] == (head_dim, 1) and out.is_contiguous()
+    # fp32 and bf16 prompts and chunks through our C flash attention, which answers 0 where it cannot take them
+    # (bf16 without AVX512-BF16, head_dim): SDPA then. KVSCALE_NATIVE_PREFILL=0 keeps SDPA, for A/B runs.
+    prefill_kernel = None
+    if (lib is not None and bf is not None and q.stride()[1:] == (head_dim, 1) and out.is_contiguous()
+            and os.environ.get("KVSCALE_NATIVE_PREFILL", "1") != "0"):
+        prefill_kernel = lib.kvs_prefill_attention_bf16 if bf == 1 else lib.kvs_prefill_attention_f32
     fresh = fp8 and key is not None  # the C kernel reads each row's own token from key/value
     for step in _sdpa_plan(meta, block_size, sliding_window, q.device, native_decode):
         if isinstance(step, NativeDecode):
@@ -276,7 +281,7 @@ def paged_attention_sdpa(
                     torch.arange(start, start + q_len, device=q.device)[None]) if fresh else None)
             k = gather(k_cache, ids, 1, nb, "k", own)[:, :, :ctx]
             v = gather(v_cache, ids, 1, nb, "v", own)[:, :, :ctx]
-            if native_prefill and k.stride(3) == 1 and v.stride(3) == 1 and lib.kvs_prefill_attention_bf16(
+            if prefill_kernel is not None and k.stride(3) == 1 and v.stride(3) == 1 and prefill_kernel(
                     q[start].data_ptr(), k.data_ptr(), v.data_ptr(), out[start].data_ptr(), q_len, ctx, num_heads,
                     num_kv_heads, head_dim, q.stride(0), k.stride(2), k.stride(1), v.stride(2), v.stride(1),
                     sliding_window or 0, scale, torch.get_num_threads()):

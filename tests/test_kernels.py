@@ -365,6 +365,34 @@ def cpu_kernels(request, monkeypatch):
 NATIVE_TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=1e-2)}
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (6, 2, 96), (8, 1, 32)])
+@pytest.mark.parametrize("query_lens,seq_lens", [
+    ([300], [300]),  # a whole prompt over many key blocks, its rows not a multiple of the kernel's 8
+    ([37, 1, 8, 70], [100, 5, 8, 70]),  # a chunk after a cached prefix, a decode, short and longer prompts
+])
+@pytest.mark.parametrize("window", [None, 5, 40])
+def test_fp32_prefill_attention_matches_the_reference(cpu_kernels, query_lens, seq_lens, heads, kv_heads, head_dim,
+                                                      window):
+    """fp32 prompts and chunks, with and without a sliding window: our C flash attention (AVX2 + FMA, tasks
+    handed out dynamically) where the C kernels build, torch's SDPA where they do not; both as close to the
+    reference as fp32 sums in another order get."""
+    from kernels import paged_attention
+
+    q, kc, vc, meta = make_batch(query_lens, seq_lens, 16, 64, heads, kv_heads, head_dim, torch.float32)
+    got = paged_attention_sdpa(q, kc, vc, meta, head_dim ** -0.5, window)
+    want = paged_attention_ref(q, kc, vc, meta, head_dim ** -0.5, sliding_window=window)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    lib = paged_attention.native()
+    assert (lib is not None) == (cpu_kernels != "library" and _native_expected())
+    if lib is not None:  # the kernel takes this shape (it answers 0 where it would leave it to SDPA)
+        k, v = kc[:1].transpose(1, 2).contiguous(), vc[:1].transpose(1, 2).contiguous()  # (1, Hkv, 16, D)
+        out = torch.empty(16, heads, head_dim)
+        qq = torch.randn(16, heads, head_dim)
+        assert lib.kvs_prefill_attention_f32(qq.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), 16, 16, heads,
+                                             kv_heads, head_dim, qq.stride(0), k.stride(2), k.stride(1), v.stride(2),
+                                             v.stride(1), 0, 0.125, 2) == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7])
 @pytest.mark.parametrize("in_features,out_features", [(96, 200), (50, 37), (576, 1536), (1536, 64)])
