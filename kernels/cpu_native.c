@@ -690,6 +690,22 @@ void kvs_paged_decode(const void *q, const void *k_cache, const void *v_cache, v
  * from bf16; the output divided by the softmax's sum and rounded once to bf16. Same math as torch's SDPA up to the
  * order of fp32 additions; what it is for: SDPA ran this shape at 55-70 GFLOP/s on 2 cores (README, Performance).
  * head_dim: a multiple of 32, at most 256. */
+/* The task loop of both flash attentions (in the caller's scope: q, kp, v, out, their strides, q_len, ctx, heads,
+ * group, per_head, window, scale, threads): tasks of up to ROWS query rows of one head, handed out dynamically,
+ * the last row blocks first since they see the most keys. TASK: the dtype's task function. */
+#define KVS_PREFILL_TASKS(ROWS, TASK)                                                                          \
+    do {                                                                                                     \
+        long row_blocks_ = (q_len + (ROWS) - 1) / (ROWS), tasks_ = num_heads * row_blocks_;                \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                              \
+        for (long task = 0; task < tasks_; task++) {                                                        \
+            long rb = row_blocks_ - 1 - task / num_heads, h = task % num_heads, g = h / group;             \
+            long i0 = rb * (ROWS), rows = q_len - i0 < (ROWS) ? q_len - i0 : (ROWS);                       \
+            TASK(q + i0 * q_tok + h * head_dim, q_tok, kp + g * per_head, v + g * v_head, v_tok,            \
+                 out + (i0 * num_heads + h) * head_dim, num_heads * head_dim, rows, ctx - q_len + i0,       \
+                 window, head_dim, scale);                                                                 \
+        }                                                                                                    \
+    } while (0)
+
 #ifdef __AVX512BF16__
 #define KVS_PF_ROWS 8
 #define KVS_PF_KEYS 32
@@ -800,16 +816,7 @@ int kvs_prefill_attention_bf16(const bf16_t *q, const bf16_t *k, const bf16_t *v
             }
         }
     }
-    long row_blocks = (q_len + KVS_PF_ROWS - 1) / KVS_PF_ROWS, tasks = num_heads * row_blocks;
-    /* the last row blocks see the most keys: hand them out first */
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (long task = 0; task < tasks; task++) {
-        long rb = row_blocks - 1 - task / num_heads, h = task % num_heads, g = h / group;
-        long i0 = rb * KVS_PF_ROWS, rows = q_len - i0 < KVS_PF_ROWS ? q_len - i0 : KVS_PF_ROWS;
-        prefill_task_bf16(q + i0 * q_tok + h * head_dim, q_tok, kp + g * per_head, v + g * v_head, v_tok,
-                          out + (i0 * num_heads + h) * head_dim, num_heads * head_dim, rows, ctx - q_len + i0,
-                          window, head_dim, scale);
-    }
+    KVS_PREFILL_TASKS(KVS_PF_ROWS, prefill_task_bf16);
     free(kp);
     return 1;
 #else
@@ -923,16 +930,7 @@ int kvs_prefill_attention_f32(const float *q, const float *k, const float *v, fl
             for (long d = 0; d < head_dim; d++) dst[d * 8 + t] = j < ctx ? src[d] : 0.0f;
         }
     }
-    long row_blocks = (q_len + KVS_PF32_ROWS - 1) / KVS_PF32_ROWS, tasks = num_heads * row_blocks;
-    /* the last row blocks see the most keys: hand them out first */
-    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (long task = 0; task < tasks; task++) {
-        long rb = row_blocks - 1 - task / num_heads, h = task % num_heads, g = h / group;
-        long i0 = rb * KVS_PF32_ROWS, rows = q_len - i0 < KVS_PF32_ROWS ? q_len - i0 : KVS_PF32_ROWS;
-        prefill_task_f32(q + i0 * q_tok + h * head_dim, q_tok, kp + g * per_head, v + g * v_head, v_tok,
-                         out + (i0 * num_heads + h) * head_dim, num_heads * head_dim, rows, ctx - q_len + i0,
-                         window, head_dim, scale);
-    }
+    KVS_PREFILL_TASKS(KVS_PF32_ROWS, prefill_task_f32);
     free(kp);
     return 1;
 }
