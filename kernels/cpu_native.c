@@ -681,15 +681,6 @@ void kvs_paged_decode(const void *q, const void *k_cache, const void *v_cache, v
 #undef KVS_DECODE
 }
 
-/* Causal prefill attention in bf16 with AVX512-BF16, flash-style (no score matrix in memory), for one sequence: q
- * (q_len, heads, head_dim) rows q_stride elements apart, k/v (ctx, kv_heads, head_dim) with token / head strides
- * in elements, out (q_len, heads, head_dim) contiguous. Query row i sits at position ctx - q_len + i and sees keys
- * 0 .. its position (window > 0: only the last `window` of them, its own included). A task is (query head, 8 query
- * rows): their scores against 32 keys at a time by vdpbf16ps (exact bf16 products summed in fp32; K packed once
- * per KV head as pairs of dims for 32 keys), an online softmax in fp32, and P.V by fp32 FMAs over V rows widened
- * from bf16; the output divided by the softmax's sum and rounded once to bf16. Same math as torch's SDPA up to the
- * order of fp32 additions; what it is for: SDPA ran this shape at 55-70 GFLOP/s on 2 cores (README, Performance).
- * head_dim: a multiple of 32, at most 256. */
 /* The task loop of both flash attentions (in the caller's scope: q, kp, v, out, their strides, q_len, ctx, heads,
  * group, per_head, window, scale, threads): tasks of up to ROWS query rows of one head, handed out dynamically,
  * the last row blocks first since they see the most keys. TASK: the dtype's task function. */
@@ -706,6 +697,15 @@ void kvs_paged_decode(const void *q, const void *k_cache, const void *v_cache, v
         }                                                                                                    \
     } while (0)
 
+/* Causal prefill attention in bf16 with AVX512-BF16, flash-style (no score matrix in memory), for one sequence: q
+ * (q_len, heads, head_dim) rows q_stride elements apart, k/v (ctx, kv_heads, head_dim) with token / head strides
+ * in elements, out (q_len, heads, head_dim) contiguous. Query row i sits at position ctx - q_len + i and sees keys
+ * 0 .. its position (window > 0: only the last `window` of them, its own included). A task is (query head, 8 query
+ * rows): their scores against 32 keys at a time by vdpbf16ps (exact bf16 products summed in fp32; K packed once
+ * per KV head as pairs of dims for 32 keys), an online softmax in fp32, and P.V by fp32 FMAs over V rows widened
+ * from bf16; the output divided by the softmax's sum and rounded once to bf16. Same math as torch's SDPA up to the
+ * order of fp32 additions; what it is for: SDPA ran this shape at 55-70 GFLOP/s on 2 cores (README, Performance).
+ * head_dim: a multiple of 32, at most 256. */
 #ifdef __AVX512BF16__
 #define KVS_PF_ROWS 8
 #define KVS_PF_KEYS 32
