@@ -36,7 +36,7 @@ def main() -> None:
             time.sleep(args.seconds)
             used = cpu_used(before, cpu_by_process())
         finally:
-            stop(proc)
+            stop(proc, url)
         per_minute = 60 / args.seconds
         top = ", ".join(f"{k} {v * per_minute:.2f}" for k, v in list(used.items())[:14])
         print(f"restart {i + 1}: {sum(used.values()) * per_minute:.1f} CPU-s a minute in all: {top}", flush=True)

@@ -8,6 +8,7 @@ the given length, decoded to text with the default model's tokenizer (the same p
   python bench/serve.py --url ours=http://127.0.0.1:8000          # one running server
   python bench/serve.py --compare                                  # ours offline, in-process and served; vLLM's server
   python bench/serve.py --compare kvscale,vllm,ray-serve-llm,transformers
+  python bench/serve.py --compare kvscale-offline,kvscale --rounds 4   # A B, B A, A B, B A; medians
 
 --compare starts each system in turn on this machine, the others stopped, and replays the same requests:
   - kvscale-offline: our engine in this process, every request at once (the ceiling the served path is held to);
@@ -340,7 +341,9 @@ def run_inprocess(trace, prompts) -> dict:
     return summarize(results, makespan)
 
 
-def stop(proc) -> None:
+def stop(proc, url: str | None = None) -> None:
+    """Stop a server we started, and wait until `url` no longer answers: Ray's processes outlive `serve run` by
+    a few seconds, and the next system started on the same port must not find the last one's /health."""
     import signal
 
     try:
@@ -348,52 +351,38 @@ def stop(proc) -> None:
         proc.wait(timeout=60)
     except Exception:
         os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.time() + 60
+    while url and time.time() < deadline:
+        try:
+            httpx.get(f"{url}/health", timeout=2)
+        except httpx.HTTPError:
+            return
+        time.sleep(1)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--url", action="append", default=[], help="name=http://host:port (repeatable)")
-    ap.add_argument("--compare", nargs="?", const="kvscale-offline,kvscale-inprocess,kvscale,vllm", default=None,
-                    help=f"systems to start one by one, comma-separated, of {', '.join(SYSTEMS)} "
-                         "(no value: kvscale-offline,kvscale-inprocess,kvscale,vllm)")
-    ap.add_argument("--json", help="also write the figures here")
-    ap.add_argument("--trace", default="conv", choices=["conv", "code"])
-    ap.add_argument("--num-requests", type=int, default=48)
-    ap.add_argument("--offset", type=int, default=0)
-    ap.add_argument("--speedup", type=float, default=2.0)
-    ap.add_argument("--max-context", type=int, default=512)
-    ap.add_argument("--max-output", type=int, default=64)
-    args = ap.parse_args()
-    trace = load_trace(args.trace, args.num_requests, args.offset, args.speedup, args.max_context, args.max_output)
-    prompts = make_prompts(trace)
-    print(f"trace: {args.trace}, {len(trace)} requests from row {args.offset}, arrivals / {args.speedup} over "
-          f"{trace[-1][0]:.1f} s, context capped at {args.max_context}, output at {args.max_output} tokens")
-    ceilings = machine_ceilings()
-    print(ceilings)
-    rows = []
-    if args.compare:
-        log_dir = Path("/tmp/kvscale-bench")
-        log_dir.mkdir(exist_ok=True)
-        for name in args.compare.split(","):
-            if name not in SYSTEMS:
-                sys.exit(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
-            if name in ("kvscale-offline", "kvscale-inprocess"):
-                rows.append((name, (run_offline if name == "kvscale-offline" else run_inprocess)(trace, prompts)))
-                print(name, json.dumps(rows[-1][1]), flush=True)
-                continue
-            proc, url = start_server(name, log_dir)
-            try:
-                strict = name == "transformers"
-                asyncio.run(run_load(url, trace[:4], prompts[:4], strict))  # warm-up, not counted
-                before = cpu_by_process()
-                rows.append((name, asyncio.run(run_load(url, trace, prompts, strict))))
-                rows[-1][1]["cpu_s"] = cpu_used(before, cpu_by_process())
-                print(name, json.dumps(rows[-1][1]), flush=True)
-            finally:
-                stop(proc)
-    for spec in args.url:
-        name, url = spec.split("=", 1)
-        rows.append((name, asyncio.run(run_load(url, trace, prompts))))
+def run_system(name: str, trace, prompts, log_dir: Path) -> dict:
+    """One replay of the trace on one system: ours offline / in-process in this process, else against the
+    system's server, started for this run, warmed up with four requests and stopped after, with the CPU-seconds
+    every process on the machine used during the replay."""
+    if name in ("kvscale-offline", "kvscale-inprocess"):
+        row = (run_offline if name == "kvscale-offline" else run_inprocess)(trace, prompts)
+        print(name, json.dumps(row), flush=True)
+        return row
+    proc, url = start_server(name, log_dir)
+    try:
+        strict = name == "transformers"
+        asyncio.run(run_load(url, trace[:4], prompts[:4], strict))  # warm-up, not counted
+        before = cpu_by_process()
+        row = asyncio.run(run_load(url, trace, prompts, strict))
+        row["cpu_s"] = cpu_used(before, cpu_by_process())
+        print(name, json.dumps(row), flush=True)
+        return row
+    finally:
+        stop(proc, url)
+
+
+def report(rows: list[tuple[str, dict]]) -> None:
+    """One round: the table, kvscale's ratios to the others, and the bound the other processes' CPU sets."""
     print(f"\n| system | requests (failed) | output tok/s | TTFT p50 / p99 s | ITL p50 / p99 s |")
     print("|---|---|---|---|---|")
     for name, r in rows:
@@ -425,8 +414,88 @@ def main() -> None:
         print(f"the served run's other processes used {others:.1f} CPU-s, the offline engine {offline['cpu_s']['engine']:.1f}"
               f" (the served replica {ours['cpu_s'][ENGINE_REPLICA]:.1f}): on {cores} cores the served run could not end "
               f"before {floor:.1f} s, so served / offline <= {offline['makespan_s'] / floor:.0%} here")
+
+
+def report_rounds(rounds: list[list[tuple[str, dict]]]) -> None:
+    """Every system's throughput round by round and its median; kvscale's ratios round by round (each from
+    runs of the same round, minutes apart) and their median, which is the figure: this machine's speed drifts
+    between runs minutes apart by more than the margins being measured."""
+    print(f"\nover {len(rounds)} rounds, the order reversed every other round:")
+    by_system: dict[str, list[dict]] = {}
+    for rows in rounds:
+        for name, r in rows:
+            by_system.setdefault(name, []).append(r)
+    for name, rs in by_system.items():
+        tok_s = [r["tok_s"] for r in rs]
+        print(f"  {name}: output tok/s {' / '.join(f'{x:.1f}' for x in tok_s)}, median {statistics.median(tok_s):.1f}")
+    for name in by_system:
+        if name == "kvscale" or "kvscale" not in by_system:
+            continue
+        pairs = [(dict(rows)["kvscale"], dict(rows)[name]) for rows in rounds]
+        ratios = [ours["tok_s"] / peer["tok_s"] for ours, peer in pairs if peer["tok_s"] > 0]
+        if not ratios:
+            continue
+        if name == "kvscale-offline":
+            print(f"  kvscale served / kvscale offline: {' / '.join(f'{x:.0%}' for x in ratios)}, median "
+                  f"{statistics.median(ratios):.0%} (target >= 90 %)")
+        elif name == "kvscale-inprocess":
+            print(f"  kvscale served / kvscale in-process: {' / '.join(f'{x:.0%}' for x in ratios)}, median "
+                  f"{statistics.median(ratios):.0%}")
+        else:
+            ttft = [ours["ttft_p99"] / peer["ttft_p99"] for ours, peer in pairs]
+            print(f"  kvscale / {name}: throughput {' / '.join(f'x{x:.2f}' for x in ratios)}, median "
+                  f"x{statistics.median(ratios):.2f} (target >= 1.2); p99 TTFT {' / '.join(f'x{x:.2f}' for x in ttft)}, "
+                  f"median x{statistics.median(ttft):.2f} (target <= 1)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", action="append", default=[], help="name=http://host:port (repeatable)")
+    ap.add_argument("--compare", nargs="?", const="kvscale-offline,kvscale-inprocess,kvscale,vllm", default=None,
+                    help=f"systems to start one by one, comma-separated, of {', '.join(SYSTEMS)} "
+                         "(no value: kvscale-offline,kvscale-inprocess,kvscale,vllm)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="replay on every --compare system this many times, the order reversed every other round "
+                         "(A B, B A, A B, ...), and print each figure round by round with its median")
+    ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--trace", default="conv", choices=["conv", "code"])
+    ap.add_argument("--num-requests", type=int, default=48)
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--speedup", type=float, default=2.0)
+    ap.add_argument("--max-context", type=int, default=512)
+    ap.add_argument("--max-output", type=int, default=64)
+    args = ap.parse_args()
+    names = args.compare.split(",") if args.compare else []
+    for name in names:
+        if name not in SYSTEMS:
+            sys.exit(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
+    if args.rounds < 1:
+        sys.exit(f"--rounds must be at least 1, not {args.rounds}")
+    trace = load_trace(args.trace, args.num_requests, args.offset, args.speedup, args.max_context, args.max_output)
+    prompts = make_prompts(trace)
+    print(f"trace: {args.trace}, {len(trace)} requests from row {args.offset}, arrivals / {args.speedup} over "
+          f"{trace[-1][0]:.1f} s, context capped at {args.max_context}, output at {args.max_output} tokens")
+    ceilings = machine_ceilings()
+    print(ceilings)
+    log_dir = Path("/tmp/kvscale-bench")
+    log_dir.mkdir(exist_ok=True)
+    rounds = []
+    for r in range(args.rounds):
+        # a machine that gets faster or slower over the rounds favours no system: A B, B A, A B, ...
+        order = names if r % 2 == 0 else names[::-1]
+        if args.rounds > 1:
+            print(f"\nround {r + 1} of {args.rounds}: {', '.join(order)}", flush=True)
+        rows = [(name, run_system(name, trace, prompts, log_dir)) for name in order]
+        for spec in args.url:
+            name, url = spec.split("=", 1)
+            rows.append((name, asyncio.run(run_load(url, trace, prompts))))
+        report(rows)
+        rounds.append(rows)
+    if len(rounds) > 1:
+        report_rounds(rounds)
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "machine": ceilings, "rows": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "machine": ceilings, "rows": rounds[0],
+                                               "rounds": rounds}, indent=1))
 
 
 if __name__ == "__main__":
