@@ -428,8 +428,10 @@ def report_rounds(rounds: list[list[tuple[str, dict]]]) -> None:
     for name, rs in by_system.items():
         tok_s = [r["tok_s"] for r in rs]
         print(f"  {name}: output tok/s {' / '.join(f'{x:.1f}' for x in tok_s)}, median {statistics.median(tok_s):.1f}")
+    if "kvscale" not in by_system:
+        return
     for name in by_system:
-        if name == "kvscale" or "kvscale" not in by_system:
+        if name == "kvscale":
             continue
         pairs = [(dict(rows)["kvscale"], dict(rows)[name]) for rows in rounds]
         ratios = [ours["tok_s"] / peer["tok_s"] for ours, peer in pairs if peer["tok_s"] > 0]
